@@ -1,0 +1,119 @@
+"""The janitor: unlinks a crashed process's named segments once nobody can need them.
+
+Named segments (the ``file_system`` strategy) outlive their creator.  The first time a
+process creates one it starts a janitor: a small process in a session of its own (so a
+``killpg`` or Ctrl-C of the job does not take it along), connected by a socket and given
+the creator's lease table.  The creator tells it each name it creates and each it unlinks.
+When the socket reaches EOF, the creator is gone, however it died; the janitor then unlinks
+every remaining name as soon as nobody holds its lease (holders and messages in flight may
+still attach by name until then), polling every 50-500 ms, and exits when none is left.
+
+If the janitor itself is killed, ``shmtensor clean`` removes what it left: segments whose
+creator is dead and which no live process maps.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+from . import posix_shm
+
+_FLOCK = struct.Struct("hhqqi4x")
+
+_sock: socket.socket | None = None
+_proc: subprocess.Popen | None = None
+_lock = threading.Lock()
+
+
+def _send(line: str) -> None:
+    if _sock is None:
+        return
+    try:
+        _sock.sendall(line.encode())
+    except OSError:
+        pass
+
+
+def track(name: str, slot: int, lease_fd: int) -> None:
+    """Tell the janitor (started on first use) about a new named segment."""
+    global _sock, _proc
+    with _lock:
+        if _sock is None:
+            parent, child = socket.socketpair()
+            pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            env = dict(os.environ)
+            env["PYTHONPATH"] = pkg_root + os.pathsep + env.get("PYTHONPATH", "")
+            _proc = subprocess.Popen(
+                [sys.executable, "-m", "ipc.janitor", str(child.fileno()), str(lease_fd)],
+                pass_fds=(child.fileno(), lease_fd), start_new_session=True, env=env,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
+            child.close()
+            _sock = parent
+        _send(f"+{slot} {name}\n")
+
+
+def untrack(name: str) -> None:
+    with _lock:
+        _send(f"-0 {name}\n")
+
+
+def janitor_pid() -> int | None:
+    return _proc.pid if _proc is not None else None
+
+
+def after_fork_in_child() -> None:
+    """The child must not keep the parent's janitor waiting: close our copy of its socket."""
+    global _sock, _proc, _lock
+    _lock = threading.Lock()
+    if _sock is not None:
+        try:
+            _sock.close()
+        except OSError:
+            pass
+    _sock = None
+    _proc = None
+
+
+def _held(probe_fd: int, slot: int) -> bool:
+    res = fcntl.fcntl(probe_fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, 0, slot, 1, 0))
+    return _FLOCK.unpack(res)[0] != fcntl.F_UNLCK
+
+
+def _main(sock_fd: int, lease_fd: int) -> None:
+    probe = os.open(f"/proc/self/fd/{lease_fd}", os.O_RDWR)
+    names: dict[str, int] = {}
+    sock = socket.socket(fileno=sock_fd)
+    buf = b""
+    while True:
+        data = sock.recv(65536)
+        if not data:
+            break
+        buf += data
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            op, rest = line[:1], line[1:].decode()
+            slot, name = rest.split(" ", 1)
+            if op == b"+":
+                names[name] = int(slot)
+            else:
+                names.pop(name, None)
+    delay = 0.05
+    while names:
+        for name, slot in list(names.items()):
+            if not os.path.exists(os.path.join(posix_shm.SHM_DIR, name)) or not _held(probe, slot):
+                posix_shm.unlink_named(name)
+                del names[name]
+        if names:
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+
+if __name__ == "__main__":
+    _main(int(sys.argv[1]), int(sys.argv[2]))

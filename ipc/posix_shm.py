@@ -1,0 +1,156 @@
+"""Shared-memory segments: anonymous memfds and named POSIX objects in /dev/shm.
+
+Some facts this module is built on (Linux):
+
+* ``memfd_create`` gives a file with no name in any directory: it lives while an fd or a
+  mapping refers to it, so it cannot leak past the processes that use it, even after SIGKILL.
+  Its name shows in ``/proc/PID/fd`` and ``/proc/PID/maps`` as ``/memfd:NAME (deleted)``,
+  which is how tools attribute it.
+* A named segment is a file on the tmpfs mounted at /dev/shm.  It outlives every process
+  until someone unlinks it; :mod:`ipc.janitor` is the someone after a crash.
+* tmpfs allocates pages lazily.  A store into a page that cannot be allocated kills the
+  process with SIGBUS.  ``posix_fallocate`` at creation reserves every page up front, so a
+  full /dev/shm becomes a Python exception here instead.
+* Every name starts with ``shmtensor_<pid>_<token>_``: the creator's pid and a per-process
+  random token (pids are reused), so ``shmtensor ls`` can say who made what.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+import shutil
+import sys
+
+__all__ = [
+    "PREFIX", "SHM_DIR", "HAVE_MEMFD", "ShmSpaceError", "process_tag", "segment_name",
+    "parse_name", "create_memfd", "create_named", "open_named", "unlink_named", "map_fd",
+]
+
+PREFIX = "shmtensor"
+SHM_DIR = "/dev/shm"
+HAVE_MEMFD = hasattr(os, "memfd_create")
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_POPULATE_FROM = 1 << 20
+
+_tag: str | None = None
+
+
+class ShmSpaceError(MemoryError):
+    """Raised when shared memory for a segment cannot be reserved (instead of a later SIGBUS)."""
+
+
+def process_tag() -> str:
+    """``<pid>_<token>``: names this process's segments; a fresh token after fork."""
+    global _tag
+    if _tag is None or not _tag.startswith(f"{os.getpid()}_"):
+        _tag = f"{os.getpid()}_{secrets.token_hex(3)}"
+    return _tag
+
+
+def segment_name(serial: int | str) -> str:
+    return f"{PREFIX}_{process_tag()}_{serial}"
+
+
+def parse_name(name: str) -> tuple[int, str, str] | None:
+    """``(creator_pid, token, serial)`` of a shmtensor name, or None for any other name."""
+    name = name.rsplit("/", 1)[-1]
+    if name.startswith("memfd:"):
+        name = name[len("memfd:"):]
+    name = name.split(" ", 1)[0]
+    parts = name.split("_")
+    if len(parts) != 4 or parts[0] != PREFIX or not parts[1].isdigit():
+        return None
+    return int(parts[1]), parts[2], parts[3]
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:,.0f} MB" if n >= 2**20 else f"{n / 1024:,.1f} KB"
+
+
+def _space_error(size: int, named: bool, err: OSError) -> ShmSpaceError:
+    if named:
+        free = shutil.disk_usage(SHM_DIR).free
+        msg = (f"{SHM_DIR} has {_mb(free)} free, this array needs {_mb(size)}: run the container "
+               f"with a larger --shm-size (or remount {SHM_DIR} bigger), free space with "
+               f"'shmtensor clean', or use the file_descriptor strategy")
+    else:
+        try:
+            import psutil
+            free = psutil.virtual_memory().available
+        except Exception:  # psutil missing or /proc unreadable: say what we know
+            free = 0
+        msg = (f"could not reserve {_mb(size)} of anonymous shared memory ({err.strerror}; about "
+               f"{_mb(free)} of memory available): free memory, send smaller arrays, or raise the "
+               f"memory limit of this container")
+    return ShmSpaceError(errno.ENOSPC, msg)
+
+
+def _reserve(fd: int, size: int, named: bool) -> None:
+    try:
+        os.ftruncate(fd, size)
+        if size:
+            os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise _space_error(size, named, e) from None
+        raise
+
+
+def create_memfd(name: str, size: int) -> int:
+    """An anonymous segment of ``size`` bytes, every page reserved; returns its fd."""
+    if not HAVE_MEMFD:
+        raise OSError(errno.ENOSYS, "memfd_create is not available on this platform: use the "
+                      "file_system sharing strategy")
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        _reserve(fd, size, named=False)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def create_named(name: str, size: int) -> int:
+    """A segment at /dev/shm/NAME (mode 0600, must not exist), every page reserved."""
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        _reserve(fd, size, named=True)
+    except BaseException:
+        os.close(fd)
+        unlink_named(name)
+        raise
+    return fd
+
+
+def open_named(name: str) -> int:
+    try:
+        return os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT, f"shared-memory segment {name!r} is gone from {SHM_DIR}: its creator "
+            "released it before this process attached (was the message read after every holder "
+            "let go?), or something outside shmtensor removed it") from None
+
+
+def unlink_named(name: str) -> bool:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def map_fd(fd: int, size: int, populate: bool = False) -> mmap.mmap:
+    """Map ``size`` bytes of ``fd`` shared and writable (at least one byte: mmap needs it)."""
+    flags = mmap.MAP_SHARED
+    if populate and size >= _POPULATE_FROM:
+        flags |= _MAP_POPULATE
+    return mmap.mmap(fd, max(size, 1), flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+if sys.platform != "linux":  # pragma: no cover - documented platform limits
+    SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"

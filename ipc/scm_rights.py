@@ -1,0 +1,114 @@
+"""Frames of bytes with file descriptors attached, over a Unix stream socket.
+
+Facts this module is built on (Linux):
+
+* ``sendmsg`` with an ``SCM_RIGHTS`` control message hands the receiver new fds for the
+  same open files.  While the message sits in the socket, the kernel holds the files: the
+  sender may close its fds, or exit, and the receiver still gets them.
+* The fds ride on the first byte of the ``sendmsg`` they came with, and a ``recvmsg`` never
+  reads past a byte that carries fds, so the 12-byte header below, sent in one call with the
+  fds, always arrives with them.
+* One message carries at most 253 fds (``SCM_MAX_FD``); more go in one-byte follow-up frames.
+
+A frame is ``!QI`` (payload length, fd count), the fds, then the payload.  Writers that
+share a socket must hold a lock around :func:`send_frame`, as the stdlib's queues already do.
+"""
+
+from __future__ import annotations
+
+import array
+import socket
+import struct
+
+__all__ = ["HAVE_SCM_RIGHTS", "MAX_FDS", "send_frame", "recv_frame"]
+
+HAVE_SCM_RIGHTS = hasattr(socket, "SCM_RIGHTS") and hasattr(socket.socket, "sendmsg")
+MAX_FDS = 253
+_HEADER = struct.Struct("!QI")
+_ANC_SIZE = socket.CMSG_SPACE(MAX_FDS * 4) if HAVE_SCM_RIGHTS else 0
+_INLINE = 1 << 16
+
+
+def _anc(fds):
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+
+
+def send_frame(sock: socket.socket, data, fds=()) -> None:
+    """Send ``data`` (bytes-like) and ``fds`` as one frame."""
+    data = memoryview(data).cast("B")
+    n = len(data)
+    header = _HEADER.pack(n, len(fds))
+    if len(fds) <= MAX_FDS and n <= _INLINE:
+        sent = sock.sendmsg([header, data], _anc(fds))
+        if sent < len(header) + n:
+            rest = memoryview(header + bytes(data))[sent:]
+            sock.sendall(rest)
+        return
+    _sendall_msg(sock, header, fds[:MAX_FDS])
+    for i in range(MAX_FDS, len(fds), MAX_FDS):
+        _sendall_msg(sock, b"\0", fds[i:i + MAX_FDS])
+    if n:
+        sock.sendall(data)
+
+
+def _sendall_msg(sock, buf, fds):
+    sent = sock.sendmsg([buf], _anc(fds))
+    if sent < len(buf):
+        sock.sendall(buf[sent:])
+
+
+def _collect(ancdata, flags, fds: list) -> None:
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            got = array.array("i")
+            got.frombytes(payload[:len(payload) - len(payload) % got.itemsize])
+            fds.extend(got)
+    if flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            _close_quietly(fd)
+        raise OSError("file descriptors were dropped in transit (MSG_CTRUNC): this process hit "
+                      "its open-file limit; raise it (ulimit -n) or hold fewer segments open")
+
+
+def _recv_exact_msg(sock, size: int, fds: list) -> bytes:
+    chunks = []
+    while size:
+        data, ancdata, flags, _ = sock.recvmsg(size, _ANC_SIZE)
+        _collect(ancdata, flags, fds)
+        if not data:
+            for fd in fds:
+                _close_quietly(fd)
+            raise EOFError
+        chunks.append(data)
+        size -= len(data)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def recv_frame(sock: socket.socket) -> tuple[bytearray, list[int]]:
+    """Receive one frame: ``(payload, fds)``; the caller owns (and must close) the fds."""
+    fds: list[int] = []
+    n, nfds = _HEADER.unpack(_recv_exact_msg(sock, _HEADER.size, fds))
+    while len(fds) < nfds:
+        _recv_exact_msg(sock, 1, fds)
+    buf = bytearray(n)
+    view = memoryview(buf)
+    pos = 0
+    try:
+        while pos < n:
+            got = sock.recv_into(view[pos:])
+            if not got:
+                raise EOFError
+            pos += got
+    except BaseException:
+        for fd in fds:
+            _close_quietly(fd)
+        raise
+    return buf, fds
+
+
+def _close_quietly(fd: int) -> None:
+    import os
+    try:
+        os.close(fd)
+    except OSError:
+        pass

@@ -1,0 +1,57 @@
+"""shmtensor: numpy arrays across processes through shared memory, without copies in pipes.
+
+General layout: :mod:`ipc` is the transport (segments, fd passing, leases); this package
+puts arrays on it.  Public names live here and in :mod:`shmtensor.multiprocessing`; every
+``_module`` is internal.
+"""
+
+from __future__ import annotations
+
+import os as _os
+
+from ipc import janitor as _janitor
+from ipc import ofd_lease as _ofd_lease
+from ipc.posix_shm import ShmSpaceError
+
+from . import _recycler, _segments, _stats
+from ._alloc import (empty, empty_like, full, is_shared, ones, share_memory, zeros,
+                     zeros_like)
+from ._strategy import (get_all_sharing_strategies, get_inline_threshold,
+                        get_sharing_strategy, set_inline_threshold, set_sharing_strategy)
+
+__version__ = "0.1.0"
+__all__ = ["empty", "zeros", "ones", "full", "empty_like", "zeros_like", "share_memory",
+           "is_shared", "set_sharing_strategy", "get_sharing_strategy",
+           "get_all_sharing_strategies", "set_inline_threshold", "get_inline_threshold",
+           "empty_cache", "debug_info", "ShmSpaceError"]
+
+
+def empty_cache() -> int:
+    """Unmap every idle segment this process keeps for reuse; returns the bytes let go.
+
+    Segments still held elsewhere (a consumer's view, a message in flight) are kept."""
+    return _recycler.trim(force=True) + _segments.evict_idle(force=True)
+
+
+def debug_info() -> dict[str, int]:
+    """Counters for this process: segments made, attached, recycled, bytes, live and idle."""
+    info = _stats.snapshot()
+    segs = _segments.mapped()
+    own = [s for s in segs if s.own]
+    info["segments_own_live"] = sum(1 for s in own if s.alive())
+    info["segments_own_idle"] = len(_recycler.idle_segments())
+    info["segments_attached_live"] = sum(1 for s in segs if not s.own and s.alive())
+    info["segments_attached_idle"] = sum(1 for s in segs if not s.own and not s.alive())
+    info["bytes_mapped"] = sum(s.size for s in segs)
+    info["lease_tables"] = _ofd_lease.table_count()
+    return info
+
+
+def _after_fork_in_child() -> None:
+    _ofd_lease.after_fork_in_child()
+    _janitor.after_fork_in_child()
+    _segments.after_fork_in_child()
+    _recycler.after_fork_in_child()
+
+
+_os.register_at_fork(after_in_child=_after_fork_in_child)

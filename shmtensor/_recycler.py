@@ -1,0 +1,157 @@
+"""Own segments: made here, handed out, and reused once every holder everywhere let go.
+
+Setting up a fresh segment's pages costs several times the copy into it, so a segment
+whose last local view died goes into an idle list instead of being unmapped.  ``acquire``
+reuses an idle segment of a fitting size as soon as its lease says that no process holds
+it and no message carries it (``LeaseTable.is_held``); otherwise it makes a new one.  Idle
+segments past an age or a byte budget are destroyed, but only once unheld: a named
+segment must keep its name while a message in flight may still attach to it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from collections import OrderedDict
+
+from ipc import janitor, ofd_lease, posix_shm
+
+from . import _segments, _stats
+from ._segments import FD, FS
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+IDLE_SECONDS = {FD: 30.0, FS: 5.0}  # named segments are visible in /dev/shm: keep them briefly
+IDLE_BYTES = 4 << 30
+_PROBE_LIMIT = 16
+
+_lock = threading.RLock()
+_idle: "OrderedDict[str, _segments.Segment]" = OrderedDict()
+
+
+def _capacity(nbytes: int) -> int:
+    return -(-max(nbytes, 1) // PAGE) * PAGE
+
+
+def _fits(cap: int, need: int) -> bool:
+    return need <= cap <= max(2 * need, need + (64 << 10))
+
+
+def acquire(nbytes: int, kind: str) -> _segments.Segment:
+    """A segment of at least ``nbytes`` that nobody holds: recycled if possible, else new."""
+    need = _capacity(nbytes)
+    table = ofd_lease.own_table()
+    with _lock:
+        probed = 0
+        for key, seg in _idle.items():
+            if seg.kind != kind or not _fits(seg.size, need):
+                continue
+            probed += 1
+            if not table.is_held(seg.slot):
+                del _idle[key]
+                _stats.bump("segments_recycled")
+                return seg
+            if probed >= _PROBE_LIMIT:
+                break
+    trim()
+    return _create(need, kind, table)
+
+
+def _create(size: int, kind: str, table: ofd_lease.LeaseTable) -> _segments.Segment:
+    slot = table.new_slot()
+    name = posix_shm.segment_name(slot)
+    if kind == FD:
+        fd = posix_shm.create_memfd(name, size)
+    else:
+        fd = posix_shm.create_named(name, size)
+    try:
+        seg = _segments.new_segment(name, kind, size, table.id, slot, own=True, fd=fd,
+                                    populate=True)
+    except BaseException:
+        os.close(fd)
+        if kind == FS:
+            posix_shm.unlink_named(name)
+        raise
+    if kind == FS:
+        os.close(fd)  # attached by name: no fd needed
+        seg.fd = None
+        janitor.track(name, slot, table.fd)
+    with _segments._lock:
+        _segments._by_key[name] = seg
+    _stats.bump("segments_created")
+    _stats.bump("bytes_created", size)
+    return seg
+
+
+def _on_idle(seg: _segments.Segment) -> None:
+    with _lock:
+        if seg.key in _segments._by_key and not seg.alive():
+            _idle[seg.key] = seg
+            _idle.move_to_end(seg.key)
+    trim()
+
+
+def _on_busy(seg: _segments.Segment) -> None:
+    with _lock:
+        _idle.pop(seg.key, None)
+
+
+_segments._own_idle_hook = _on_idle
+_segments._own_busy_hook = _on_busy
+
+
+def _destroy(seg: _segments.Segment) -> None:
+    seg.close()
+    if seg.kind == FS:
+        posix_shm.unlink_named(seg.key)
+        janitor.untrack(seg.key)
+    _stats.bump("segments_destroyed")
+
+
+def trim(force: bool = False) -> int:
+    """Destroy idle, unheld own segments past the budget (all of them with ``force``)."""
+    now = time.monotonic()
+    freed = 0
+    table = ofd_lease.own_table() if _idle else None
+    with _lock:
+        total = sum(s.size for s in _idle.values())
+        for key, seg in list(_idle.items()):
+            old = now - seg.idle_since > IDLE_SECONDS[seg.kind]
+            if not (force or old or total > IDLE_BYTES):
+                continue
+            if seg.alive() or table.is_held(seg.slot):
+                continue
+            del _idle[key]
+            total -= seg.size
+            freed += seg.size
+            _destroy(seg)
+    return freed
+
+
+def idle_segments() -> list[_segments.Segment]:
+    with _lock:
+        return list(_idle.values())
+
+
+def after_fork_in_child() -> None:
+    """The parent's segments are not the child's to reuse: forget them (views stay valid)."""
+    global _lock
+    _lock = threading.RLock()
+    for seg in list(_idle.values()):
+        if not seg.alive():
+            seg.close()
+    _idle.clear()
+    for seg in _segments.mapped():
+        if seg.own:
+            seg.own = False
+            if seg.fd is not None:
+                _segments._kept_fds += 1
+
+
+@atexit.register
+def _at_exit() -> None:
+    try:
+        trim(force=True)
+    except Exception:  # never fail interpreter shutdown over a cache
+        pass

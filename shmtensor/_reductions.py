@@ -1,0 +1,210 @@
+"""How arrays cross a process boundary on shmtensor's channels, and how they are rebuilt.
+
+Only shmtensor's channels pickle with :class:`_Pickler`; a plain ``pickle.dumps`` of the
+same array uses numpy's own reduction and gives an ordinary, self-contained pickle.
+
+* An array whose memory is a segment crosses as a handle (segment key, offset, shape,
+  strides, dtype, read-only flag): no copy, and writes are visible both ways.
+* A view is sent as its root plus its place in the root, so several views of one base in
+  one message arrive as views of one buffer (the pickle memo sends the root once).  A
+  small view of a much larger base is compacted instead of dragging the base along.
+* A root that is not shared is pickled inline when small and copied once into a recycled
+  segment when large (see :mod:`shmtensor._strategy` for the threshold).
+* Object arrays fall back to numpy's own reduction.
+
+Segments themselves reduce to :func:`_rebuild_segment`; each message carries, per lease
+table, one in-flight lock description and, for memfds, the segment fds (see
+:mod:`ipc.ofd_lease`).  The rebuild functions' import paths are part of the wire format.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import os
+import pickle
+import threading
+from collections import ChainMap
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+
+from ipc import ofd_lease
+
+from . import _recycler, _segments, _stats, _strategy
+from ._segments import FD, Segment
+
+_local = threading.local()
+
+
+class SendContext:
+    """What one outgoing message needs besides its bytes: fds to attach and refs to keep."""
+
+    __slots__ = ("fds", "owned", "keep", "inflight", "__weakref__")
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+        self.owned: list[int] = []   # in-flight lock descriptions: closed once sent
+        self.keep: list = []          # anchors that must outlive the send
+        self.inflight: dict[str, int] = {}
+
+    def release(self) -> None:
+        owned, self.owned = self.owned, []
+        for fd in owned:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.keep = []
+        self.fds = []
+
+    __del__ = release
+
+
+def _dt(dt: np.dtype):
+    return dt.str if dt.fields is None and dt.subdtype is None and not dt.metadata else dt
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _reduce_ndarray(a: np.ndarray):
+    if a.dtype.hasobject:
+        return a.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    seg = _segments.segment_of(a)
+    if seg is not None and (seg.kind != FD or seg.fd is not None):
+        _stats.bump("arrays_sent_shared")
+        return _reduce_on(a, seg, not a.flags.writeable)
+    base = a.base
+    if isinstance(base, np.ndarray) and seg is None:
+        root = base
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        if ((root.flags.c_contiguous or root.flags.f_contiguous) and root.dtype.hasobject is False
+                and root.nbytes <= max(2 * a.nbytes, _strategy.get_inline_threshold())):
+            return _rebuild_view, (root, _ptr(a) - _ptr(root), a.shape, a.strides, _dt(a.dtype),
+                                   not a.flags.writeable)
+    return _reduce_root(a)
+
+
+def _reduce_root(a: np.ndarray):
+    """An array sent by value: inline when small, else copied once into a segment."""
+    if a.nbytes < _strategy.get_inline_threshold():
+        _stats.bump("arrays_sent_inline")
+        return a.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    seg = _recycler.acquire(a.nbytes, _strategy.get_sharing_strategy())
+    anchor = seg.anchor()
+    order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
+    dst = np.ndarray(a.shape, a.dtype, buffer=anchor, order=order)
+    np.copyto(dst, a, casting="no")
+    _stats.bump("arrays_sent_copied")
+    return _reduce_on(dst, seg, not a.flags.writeable)
+
+
+def _reduce_on(a: np.ndarray, seg: Segment, readonly: bool):
+    return _rebuild_array, (seg, _ptr(a) - seg.address, a.shape, a.strides, _dt(a.dtype), readonly)
+
+
+def _reduce_segment(seg: Segment):
+    ctx: SendContext | None = getattr(_local, "send", None)
+    if ctx is None:
+        raise pickle.PicklingError("shmtensor segments travel only on shmtensor channels")
+    ctx.keep.append(seg.anchor())
+    i = ctx.inflight.get(seg.table_id)
+    if i is None:
+        fd = ofd_lease.inflight_fd(seg.table_id, (seg.slot,))
+        ctx.owned.append(fd)
+        ctx.fds.append(fd)
+        i = ctx.inflight[seg.table_id] = len(ctx.fds) - 1
+    else:
+        ofd_lease.lock_more(ctx.fds[i], seg.slot)
+    d = -1
+    if seg.kind == FD:
+        ctx.fds.append(seg.fd)
+        d = len(ctx.fds) - 1
+    return _rebuild_segment, (seg.key, seg.kind, seg.size, seg.table_id, seg.slot, d, i)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles with shmtensor's reducers ahead of multiprocessing's and copyreg's."""
+
+    dispatch_table = ChainMap({np.ndarray: _reduce_ndarray, Segment: _reduce_segment},
+                              ForkingPickler._extra_reducers, copyreg.dispatch_table)
+
+
+def dumps(obj) -> tuple[memoryview, SendContext]:
+    """Pickle ``obj`` for a shmtensor channel: the bytes and what must travel with them."""
+    ctx = SendContext()
+    prev = getattr(_local, "send", None)
+    _local.send = ctx
+    buf = io.BytesIO()
+    try:
+        _Pickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    except BaseException:
+        ctx.release()
+        raise
+    finally:
+        _local.send = prev
+    return buf.getbuffer(), ctx
+
+
+class _RecvContext:
+    __slots__ = ("fds",)
+
+    def __init__(self, fds: list[int]) -> None:
+        self.fds = fds
+
+
+def loads(data, fds: list[int]):
+    """Unpickle a message from a shmtensor channel; closes every fd it did not keep."""
+    if not fds:
+        return pickle.loads(data)
+    ctx = _RecvContext(fds)
+    prev = getattr(_local, "recv", None)
+    _local.recv = ctx
+    try:
+        return pickle.loads(data)
+    finally:
+        _local.recv = prev
+        for fd in fds:
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+def _rebuild_segment(key, kind, size, table_id, slot, data_i, lock_i):
+    ctx: _RecvContext | None = getattr(_local, "recv", None)
+    if ctx is None:
+        raise pickle.UnpicklingError(
+            "this pickle holds a shmtensor segment handle and can only be loaded from the "
+            "shmtensor channel it was sent on")
+    ofd_lease.adopt_table(table_id, ctx.fds[lock_i])
+    seg = _segments.lookup(key)
+    if seg is None:
+        seg, took = _segments.attach(key, kind, size, table_id, slot,
+                                     ctx.fds[data_i] if data_i >= 0 else None)
+        if took:
+            ctx.fds[data_i] = -1
+    return seg.anchor()
+
+
+def _rebuild_array(anchor, offset, shape, strides, dtype, readonly):
+    a = np.ndarray(shape, np.dtype(dtype), buffer=anchor, offset=offset, strides=strides)
+    if readonly:
+        a.flags.writeable = False
+    _stats.bump("arrays_received")
+    return a
+
+
+def _rebuild_view(root, offset, shape, strides, dtype, readonly):
+    flat = root.ravel(order="K").view(np.uint8) if root.size else np.empty(0, np.uint8)
+    if 0 in shape:
+        a = np.empty(shape, np.dtype(dtype))
+    else:
+        a = np.ndarray(shape, np.dtype(dtype), buffer=flat, offset=offset, strides=strides)
+    if readonly:
+        a.flags.writeable = False
+    return a

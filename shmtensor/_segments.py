@@ -1,0 +1,216 @@
+"""Segments mapped in this process, the anchors that arrays hang from, and the receive cache.
+
+Every array whose memory is a segment is a view of that segment's *anchor*: a uint8 array
+over the whole mapping.  While any view lives, the anchor lives, and the anchor holds the
+segment's lease (see :mod:`ipc.ofd_lease`).  When the last view dies the anchor dies, the
+lease is released, and the mapping stays cached (idle): a segment that comes back, because
+its creator recycled it or because it is sent again, costs no new mapping.  Idle mappings
+of other processes' segments are evicted by age and by total size.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import resource
+import threading
+import time
+import weakref
+from collections import OrderedDict
+
+import numpy as np
+
+from ipc import ofd_lease, posix_shm
+
+from . import _stats
+
+FD, FS = "file_descriptor", "file_system"
+
+# Idle mappings of other processes' segments kept for reuse (see module docstring).
+CACHE_IDLE_SECONDS = 30.0
+CACHE_IDLE_BYTES = 2 << 30
+CACHE_IDLE_COUNT = 512
+
+
+class _SegMap(mmap.mmap):
+    """An mmap that knows its segment: the bottom of every shared array's base chain."""
+
+    segment: "Segment"
+
+
+class Segment:
+    """One segment mapped in this process, made here (``own``) or attached from elsewhere."""
+
+    __slots__ = ("key", "kind", "size", "table_id", "slot", "own", "mm", "fd", "address",
+                 "_anchor", "idle_since", "__weakref__")
+
+    def anchor(self) -> np.ndarray:
+        """The live anchor (made, and the lease held, if none is alive)."""
+        ref = self._anchor
+        a = ref() if ref is not None else None
+        if a is None:
+            with _lock:
+                a = self._anchor() if self._anchor is not None else None
+                if a is None:
+                    ofd_lease.hold(self.table_id, self.slot)
+                    a = np.frombuffer(self.mm, np.uint8, count=self.size)
+                    if not self.address:
+                        self.address = a.__array_interface__["data"][0]
+                    self._anchor = weakref.ref(a)
+                    f = weakref.finalize(a, _anchor_died, self)
+                    f.atexit = False
+                    _idle.pop(self.key, None)
+                    if self.own:
+                        _own_busy_hook(self)
+        return a
+
+    def alive(self) -> bool:
+        return self._anchor is not None and self._anchor() is not None
+
+    def close(self) -> None:
+        """Unmap and close; only when no anchor is alive (views would dangle)."""
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:  # a view escaped the anchor (should not happen): keep it
+                return
+            self.mm = None
+        if self.fd is not None:
+            _close_fd(self)
+        _by_key.pop(self.key, None)
+        _idle.pop(self.key, None)
+
+
+def _close_fd(seg: Segment) -> None:
+    global _kept_fds
+    try:
+        os.close(seg.fd)
+    except OSError:
+        pass
+    if not seg.own:
+        _kept_fds -= 1
+    seg.fd = None
+
+
+_lock = threading.RLock()
+_by_key: dict[str, Segment] = {}
+_idle: "OrderedDict[str, Segment]" = OrderedDict()  # attached segments with no live anchor
+_kept_fds = 0
+_own_busy_hook = lambda seg: None  # noqa: E731 - set by _recycler
+_own_idle_hook = lambda seg: None  # noqa: E731 - set by _recycler
+
+
+def _fd_budget() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 16
+    return max(0, min(256, soft // 8))
+
+
+def _anchor_died(seg: Segment) -> None:
+    ofd_lease.release(seg.table_id, seg.slot)
+    seg.idle_since = time.monotonic()
+    if seg.own:
+        _own_idle_hook(seg)
+    else:
+        with _lock:
+            if seg.key in _by_key and not seg.alive():
+                _idle[seg.key] = seg
+                _idle.move_to_end(seg.key)
+        evict_idle()
+
+
+def segment_of(a) -> Segment | None:
+    """The segment holding ``a``'s memory, or None when ``a`` is not shared."""
+    b = a.base
+    while b is not None:
+        if isinstance(b, np.ndarray):
+            b = b.base
+        elif isinstance(b, memoryview):
+            b = b.obj
+        elif isinstance(b, _SegMap):
+            return b.segment
+        else:
+            return None
+    return None
+
+
+def lookup(key: str) -> Segment | None:
+    return _by_key.get(key)
+
+
+def attach(key: str, kind: str, size: int, table_id: str, slot: int, fd: int | None) -> tuple[Segment, bool]:
+    """The segment ``key`` mapped here, mapping it if needed.  Returns (segment, took_fd)."""
+    global _kept_fds
+    seg = _by_key.get(key)
+    if seg is not None:
+        return seg, False
+    took = False
+    if kind == FD:
+        mapfd = fd
+    else:
+        mapfd = posix_shm.open_named(key)
+    try:
+        seg = new_segment(key, kind, size, table_id, slot, own=False, fd=mapfd)
+    except BaseException:
+        if kind == FS:
+            os.close(mapfd)
+        raise
+    with _lock:
+        if kind == FD and _kept_fds < _fd_budget():
+            _kept_fds += 1
+            took = True  # kept: this process can forward the segment without a copy
+        else:
+            seg.fd = None
+            if kind == FS:
+                os.close(mapfd)
+        _by_key[key] = seg
+    _stats.bump("segments_attached")
+    _stats.bump("bytes_attached", size)
+    return seg, took
+
+
+def new_segment(key, kind, size, table_id, slot, own, fd, populate=False) -> Segment:
+    seg = Segment.__new__(Segment)
+    seg.key, seg.kind, seg.size = key, kind, size
+    seg.table_id, seg.slot, seg.own = table_id, slot, own
+    seg.fd = fd
+    seg.address = 0
+    seg._anchor = None
+    seg.idle_since = time.monotonic()
+    flags = mmap.MAP_SHARED
+    if populate and size >= (1 << 20):
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
+    seg.mm = _SegMap(fd, max(size, 1), flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    seg.mm.segment = seg
+    return seg
+
+
+def evict_idle(force: bool = False) -> int:
+    """Unmap idle attached segments past the cache limits (all of them with ``force``)."""
+    now = time.monotonic()
+    freed = 0
+    with _lock:
+        total = sum(s.size for s in _idle.values())
+        while _idle:
+            key, seg = next(iter(_idle.items()))
+            if not (force or len(_idle) > CACHE_IDLE_COUNT or total > CACHE_IDLE_BYTES
+                    or now - seg.idle_since > CACHE_IDLE_SECONDS):
+                break
+            _idle.pop(key)
+            if seg.alive():
+                continue
+            total -= seg.size
+            freed += seg.size
+            seg.close()
+    return freed
+
+
+def mapped() -> list[Segment]:
+    with _lock:
+        return list(_by_key.values())
+
+
+def after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.RLock()

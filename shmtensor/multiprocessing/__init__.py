@@ -1,0 +1,51 @@
+"""Drop-in ``multiprocessing`` whose Queue, Pipe, Pool, Process and Manager carry numpy
+arrays through shared memory.
+
+Every public name of :mod:`multiprocessing` is here.  The channel factories and
+:func:`get_context` return shmtensor's versions; everything else is the stdlib's own object.
+Importing this module registers nothing globally: code that keeps using the stdlib's
+queues pickles exactly as before.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as _mp
+from multiprocessing import *  # noqa: F401,F403 - the drop-in re-exports every name
+from multiprocessing import __all__ as _mp_all
+
+from .._strategy import (get_all_sharing_strategies, get_sharing_strategy,
+                         set_sharing_strategy)
+from ._context import (ForkContext, ForkServerContext, Process, SpawnContext,
+                       get_context)
+
+__all__ = sorted(set(_mp_all) | {
+    "get_context", "set_sharing_strategy", "get_sharing_strategy",
+    "get_all_sharing_strategies", "ForkContext", "SpawnContext", "ForkServerContext"})
+
+
+def Queue(maxsize: int = 0):
+    """A ``multiprocessing.Queue`` that moves arrays through shared memory."""
+    return get_context().Queue(maxsize)
+
+
+def JoinableQueue(maxsize: int = 0):
+    return get_context().JoinableQueue(maxsize)
+
+
+def SimpleQueue():
+    return get_context().SimpleQueue()
+
+
+def Pipe(duplex: bool = True):
+    return get_context().Pipe(duplex)
+
+
+def Pool(processes=None, initializer=None, initargs=(), maxtasksperchild=None):
+    return get_context().Pool(processes, initializer, initargs, maxtasksperchild)
+
+
+def Manager():
+    return get_context().Manager()
+
+
+del _mp

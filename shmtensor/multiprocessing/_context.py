@@ -1,0 +1,136 @@
+"""Contexts whose Queue, Pipe, Pool and Process carry arrays through shared memory.
+
+Each is a real ``multiprocessing`` context (a subclass of the stdlib's fork, spawn or
+forkserver context) with shmtensor's factories, so it goes wherever a context is accepted.
+Under spawn and forkserver a Process pickles its target and arguments with shmtensor's
+reducers, and their fds go to the child with the process itself; the child needs no set-up.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.context as _mpctx
+from multiprocessing import reduction
+
+from .. import _reductions, _strategy
+from .._connection import Pipe as _Pipe
+from .. import _queues
+
+
+class _ShmProcess:
+    """Pickles target and args with shmtensor's reducers when spawned (fork needs nothing)."""
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_shm_send", None)
+        if _mpctx.get_spawning_popen() is None:
+            return state
+        payload = (self._target, self._args, self._kwargs,
+                   _strategy.get_sharing_strategy(), _strategy.get_inline_threshold())
+        data, ctx = _reductions.dumps(payload)
+        self._shm_send = ctx  # the fds must stay open until the child has them (start())
+        state["_target"], state["_args"], state["_kwargs"] = None, (), {}
+        state["_shm_payload"] = (bytes(data), [reduction.DupFd(fd) for fd in ctx.fds])
+        return state
+
+    def __setstate__(self, state):
+        payload = state.pop("_shm_payload", None)
+        self.__dict__.update(state)
+        if payload is not None:
+            data, dupfds = payload
+            fds = [d.detach() for d in dupfds]
+            target, args, kwargs, strategy, threshold = _reductions.loads(data, fds)
+            self._target, self._args, self._kwargs = target, args, kwargs
+            _strategy.set_sharing_strategy(strategy)
+            _strategy.set_inline_threshold(threshold)
+
+    def start(self) -> None:
+        try:
+            super().start()
+        finally:
+            ctx = self.__dict__.pop("_shm_send", None)
+            if ctx is not None:
+                ctx.release()
+
+
+class ForkProcess(_ShmProcess, _mpctx.ForkProcess):
+    pass
+
+
+class SpawnProcess(_ShmProcess, _mpctx.SpawnProcess):
+    pass
+
+
+class ForkServerProcess(_ShmProcess, _mpctx.ForkServerProcess):
+    pass
+
+
+class _ShmContext:
+    """Factories of shmtensor's channels on top of a stdlib context."""
+
+    def Queue(self, maxsize: int = 0):
+        return _queues.Queue(maxsize, ctx=self)
+
+    def JoinableQueue(self, maxsize: int = 0):
+        return _queues.JoinableQueue(maxsize, ctx=self)
+
+    def SimpleQueue(self):
+        return _queues.SimpleQueue(ctx=self)
+
+    def Pipe(self, duplex: bool = True):
+        return _Pipe(duplex)
+
+    def Manager(self):
+        from ._managers import SyncManager
+        m = SyncManager(ctx=self)
+        m.start()
+        return m
+
+    def get_context(self, method: str | None = None):
+        return self if method is None else get_context(method)
+
+    def __repr__(self) -> str:
+        return f"<shmtensor {self._name} context>"
+
+
+class ForkContext(_ShmContext, _mpctx.ForkContext):
+    Process = ForkProcess
+
+
+class SpawnContext(_ShmContext, _mpctx.SpawnContext):
+    Process = SpawnProcess
+
+
+class ForkServerContext(_ShmContext, _mpctx.ForkServerContext):
+    Process = ForkServerProcess
+
+
+_contexts = {"fork": ForkContext(), "spawn": SpawnContext(), "forkserver": ForkServerContext()}
+
+
+def get_context(method: str | None = None):
+    """A shmtensor context for ``method`` (default: multiprocessing's current start method)."""
+    if method is None:
+        method = multiprocessing.get_start_method()
+    try:
+        ctx = _contexts[method]
+    except KeyError:
+        raise ValueError(f"cannot find context for {method!r}: choose one of "
+                         f"{', '.join(sorted(multiprocessing.get_all_start_methods()))}") from None
+    if method not in multiprocessing.get_all_start_methods():
+        raise ValueError(f"start method {method!r} is not available on this platform")
+    return ctx
+
+
+class Process(_ShmProcess, multiprocessing.process.BaseProcess):
+    """``multiprocessing.Process`` for the current start method, with shmtensor pickling."""
+
+    _start_method = None
+
+    @staticmethod
+    def _Popen(process_obj):
+        return get_context().Process._Popen(process_obj)
+
+    @staticmethod
+    def _after_fork():
+        return get_context().Process._after_fork()
