@@ -30,7 +30,7 @@ import threading
 from .posix_shm import PREFIX, process_tag
 
 __all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "holdings", "hold", "release",
-           "inflight_fd", "lock_more", "adopt_table", "table_count", "after_fork_in_child"]
+           "inflight_fd", "lock_more", "forget_idle", "adopt_table", "table_count", "after_fork_in_child"]
 
 HAVE_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64 and aarch64
@@ -157,6 +157,25 @@ def inflight_fd(table_id: str, slots) -> int:
 def lock_more(fd: int, slot: int) -> None:
     """Add ``slot`` to an in-flight description made by :func:`inflight_fd`."""
     _setlk(fd, fcntl.F_RDLCK, slot)
+
+
+def forget_idle() -> int:
+    """Close the holding descriptions of peer tables through which nothing is held."""
+    closed = 0
+    with _registry_lock:
+        for tid, h in list(_holdings.items()):
+            if _own is not None and tid == _own.id:
+                continue
+            with h.lock:
+                if h.counts:
+                    continue
+                del _holdings[tid]
+                try:
+                    os.close(h.fd)
+                except OSError:
+                    pass
+                closed += 1
+    return closed
 
 
 def table_count() -> int:

@@ -71,24 +71,32 @@ def _mb(n: float) -> str:
 
 
 def _space_error(size: int, named: bool, err: OSError) -> ShmSpaceError:
+    free = _available(named)
     if named:
-        free = shutil.disk_usage(SHM_DIR).free
         msg = (f"{SHM_DIR} has {_mb(free)} free, this array needs {_mb(size)}: run the container "
                f"with a larger --shm-size (or remount {SHM_DIR} bigger), free space with "
                f"'shmtensor clean', or use the file_descriptor strategy")
     else:
-        try:
-            import psutil
-            free = psutil.virtual_memory().available
-        except Exception:  # psutil missing or /proc unreadable: say what we know
-            free = 0
         msg = (f"could not reserve {_mb(size)} of anonymous shared memory ({err.strerror}; about "
                f"{_mb(free)} of memory available): free memory, send smaller arrays, or raise the "
                f"memory limit of this container")
     return ShmSpaceError(errno.ENOSPC, msg)
 
 
+def _available(named: bool) -> int:
+    if named:
+        return shutil.disk_usage(SHM_DIR).free
+    try:
+        import psutil
+        return psutil.virtual_memory().available
+    except Exception:  # psutil missing or /proc unreadable: let fallocate decide
+        return 1 << 62
+
+
 def _reserve(fd: int, size: int, named: bool) -> None:
+    # Refuse up front what cannot fit: fallocate would first take every free page, then fail.
+    if size > _available(named):
+        raise _space_error(size, named, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
     try:
         os.ftruncate(fd, size)
         if size:

@@ -30,7 +30,9 @@ def empty_cache() -> int:
     """Unmap every idle segment this process keeps for reuse; returns the bytes let go.
 
     Segments still held elsewhere (a consumer's view, a message in flight) are kept."""
-    return _recycler.trim(force=True) + _segments.evict_idle(force=True)
+    freed = _recycler.trim(force=True) + _segments.evict_idle(force=True)
+    _ofd_lease.forget_idle()
+    return freed
 
 
 def debug_info() -> dict[str, int]:

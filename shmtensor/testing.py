@@ -1,0 +1,134 @@
+"""Leak checking for code that shares arrays between processes.
+
+``with leak_checker() as lc:`` records the state on entry; on exit it gives asynchronous
+releases a bounded time, then raises :class:`LeakError` listing every leak it finds:
+shmtensor segments in /dev/shm made by the checked processes, segments made by them that
+other processes still map, fds this process opened and did not close, and child processes
+still alive.  ``lc.check_pid(pid)`` adds a process (a worker, a producer) to the checked set.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+from ipc import ofd_lease, posix_shm, procfs
+
+__all__ = ["LeakError", "leak_checker", "Leak"]
+
+
+class LeakError(AssertionError):
+    """Something outlived the code under check; ``.leaks`` lists what."""
+
+    def __init__(self, leaks: list["Leak"]) -> None:
+        self.leaks = leaks
+        lines = "\n".join(f"  - {leak}" for leak in leaks)
+        super().__init__(f"{len(leaks)} leak(s) found:\n{lines}")
+
+
+@dataclass
+class Leak:
+    kind: str          # "segment", "fd" or "process"
+    what: str
+    detail: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        extra = ", ".join(f"{k}={v}" for k, v in self.detail.items())
+        return f"{self.kind} {self.what}" + (f" ({extra})" if extra else "")
+
+
+def _fds() -> dict[int, str]:
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+    return out
+
+
+class leak_checker:
+    """Context manager that fails when segments, fds or child processes leak (see module)."""
+
+    def __init__(self, timeout: float = 10.0, check_fds: bool = True) -> None:
+        self.timeout = timeout
+        self.check_fds = check_fds
+        self.checked_pids = {os.getpid()}
+
+    def check_pid(self, pid: int | None) -> None:
+        if pid is not None:
+            self.checked_pids.add(pid)
+
+    def __enter__(self) -> "leak_checker":
+        self._fds_before = _fds()
+        self._children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+        self._named_before = set(procfs.named_segments())
+        self._started = time.time()
+        return self
+
+    def _cleanup_local(self) -> None:
+        import shmtensor
+        gc.collect()
+        shmtensor.empty_cache()
+
+    def leaks(self) -> list[Leak]:
+        """What is still there now (after collecting this process's garbage and idle caches)."""
+        self._cleanup_local()
+        leaks: list[Leak] = []
+        me = os.getpid()
+        for child in psutil.Process().children(recursive=True):
+            if child.pid in self._children_before:
+                continue
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                leaks.append(Leak("process", f"pid {child.pid}",
+                                  {"cmdline": " ".join(child.cmdline())[:120]}))
+            except psutil.NoSuchProcess:
+                continue
+        uses = procfs.scan()
+        for name, size in procfs.named_segments().items():
+            parsed = posix_shm.parse_name(name)
+            if name in self._named_before or parsed[0] not in self.checked_pids:
+                continue
+            use = uses.get(name)
+            leaks.append(Leak("segment", f"/dev/shm/{name}", {
+                "size": size, "creator": parsed[0],
+                "mapped_by": sorted(use.mapped_by) if use else []}))
+        for name, use in uses.items():
+            parsed = posix_shm.parse_name(name)
+            if name.endswith("lease") or parsed[0] not in self.checked_pids or parsed[0] == me:
+                continue
+            others = (use.mapped_by | use.fd_held_by) - {parsed[0]}
+            if others and parsed[0] not in others and not psutil.pid_exists(parsed[0]):
+                leaks.append(Leak("segment", f"memfd {name}", {
+                    "size": use.size, "creator": f"{parsed[0]} (dead)",
+                    "mapped_by": sorted(others)}))
+        if self.check_fds:
+            now = _fds()
+            for fd, target in sorted(now.items()):
+                if fd in self._fds_before and self._fds_before[fd] == target:
+                    continue
+                if target.startswith("/proc/"):
+                    continue
+                leaks.append(Leak("fd", str(fd), {"target": target}))
+        return leaks
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            return False
+        deadline = time.monotonic() + self.timeout
+        delay = 0.02
+        while True:
+            found = self.leaks()
+            if not found or time.monotonic() >= deadline:
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+        if found:
+            raise LeakError(found)
+        return False

@@ -1,0 +1,86 @@
+"""Process targets for the tests (importable by spawned children)."""
+
+import os
+import signal
+import time
+
+import numpy as np
+
+import shmtensor
+
+
+def simple_fill(queue, event):
+    data = queue.get()
+    data[0][:] = 4
+    event.set()
+
+
+def send_array(queue, event):
+    t = shmtensor.ones((5, 5))
+    queue.put(t)
+    queue.put(t)
+    event.wait(60)
+
+
+def put_and_exit(queue, n, size):
+    for i in range(n):
+        queue.put(np.full(size, i, dtype=np.int64))
+    queue.put(shmtensor.full((10,), 42, dtype=np.int64))
+
+
+def pool_fill(a):
+    a.fill(4)
+    return a + 1
+
+
+def inherit_add(a):
+    a += 3
+
+
+def hold_and_wait(queue, out, event):
+    kept = queue.get()
+    out.put(int(kept.sum()))
+    event.wait(60)
+
+
+def send_forever(queue, size):
+    i = 0
+    while True:
+        queue.put(np.full(size, i, dtype=np.int64))
+        i += 1
+
+
+def sum_many(queue, out, n):
+    kept = [queue.get() for _ in range(n)]
+    out.put((len(kept), int(sum(int(k[0]) for k in kept))))
+
+
+def limit_fds_and_receive(queue, out, n, limit):
+    import resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+    kept = [queue.get() for _ in range(n)]
+    nfds = len(os.listdir("/proc/self/fd"))
+    ok = all(int(k[0]) == i for i, k in enumerate(kept))
+    out.put((ok, nfds, len(kept)))
+
+
+def send_back(inq, outq):
+    a = inq.get()
+    outq.put(a)
+    outq.put(a[1:3])
+
+
+def executor_task(a):
+    import shmtensor as st
+    out = st.empty_like(a)
+    out[:] = a * 2
+    return out
+
+
+def suicide_after_get(queue):
+    queue.get()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def sleep_forever():
+    time.sleep(3600)

@@ -1,0 +1,198 @@
+"""Allocation and the reducers, within one process (through a real shmtensor Pipe)."""
+
+import pickle
+
+import numpy as np
+import pytest
+
+import shmtensor
+import shmtensor.multiprocessing as smp
+from shmtensor import _reductions
+
+
+def roundtrip(obj):
+    a, b = smp.Pipe()
+    try:
+        a.send(obj)
+        return b.recv()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_alloc_functions_return_plain_shared_arrays(strategy):
+    for arr, val in [(shmtensor.zeros((3, 4)), 0), (shmtensor.ones(5, dtype=np.int32), 1),
+                     (shmtensor.full((2, 2), 7.5), 7.5)]:
+        assert type(arr) is np.ndarray and shmtensor.is_shared(arr)
+        assert (arr == val).all()
+    f = shmtensor.empty((3, 4), order="F")
+    assert f.flags.f_contiguous and not f.flags.c_contiguous
+    base = np.arange(12.0).reshape(3, 4).T
+    like = shmtensor.zeros_like(base)
+    assert like.shape == base.shape and like.flags.f_contiguous and shmtensor.is_shared(like)
+    assert shmtensor.empty_like(base, dtype=np.float32).dtype == np.float32
+
+
+def test_share_memory_copies_once_and_is_idempotent():
+    a = np.arange(10)
+    s = shmtensor.share_memory(a)
+    assert shmtensor.is_shared(s) and not shmtensor.is_shared(a)
+    assert (s == a).all() and shmtensor.share_memory(s) is s
+    assert shmtensor.is_shared(s[2:5]) and not shmtensor.is_shared(np.arange(3))
+
+
+def test_bad_input_errors_name_the_fix():
+    with pytest.raises(TypeError, match="Python objects"):
+        shmtensor.empty(3, dtype=object)
+    with pytest.raises(ValueError, match="negative"):
+        shmtensor.empty((-1, 2))
+    with pytest.raises(ValueError, match="order"):
+        shmtensor.empty(3, order="K")
+    with pytest.raises(ValueError, match="file_descriptor"):
+        smp.set_sharing_strategy("bogus")
+    with pytest.raises(ValueError, match="non-negative"):
+        shmtensor.set_inline_threshold(-5)
+
+
+LAYOUTS = {
+    "c": lambda m: m(np.arange(24.0).reshape(4, 6)),
+    "fortran": lambda m: m(np.asfortranarray(np.arange(24.0).reshape(4, 6))),
+    "transposed": lambda m: m(np.arange(24.0).reshape(4, 6)).T,
+    "strided": lambda m: m(np.arange(60.0).reshape(6, 10))[::2, 1::3],
+    "negative": lambda m: m(np.arange(10.0))[::-1],
+    "offset": lambda m: m(np.arange(10, dtype=np.int16))[3:7],
+    "big-endian": lambda m: m(np.arange(6, dtype=">i4")),
+    "structured": lambda m: m(np.array([(1, 2.5), (3, 4.5)], dtype=[("a", "<i2"), ("b", ">f8")])),
+    "zero-size": lambda m: m(np.zeros((0, 3))),
+    "zero-d": lambda m: m(np.array(3.25)),
+    "bool": lambda m: m(np.array([True, False, True])),
+    "complex": lambda m: m(np.arange(4) * (1 + 2j)),
+    "datetime": lambda m: m(np.array(["2026-01-01", "2026-11-21"], dtype="M8[D]")),
+}
+MAKERS = {"plain": lambda a: a, "shared": shmtensor.share_memory,
+          "large": lambda a: np.tile(a, (4096,) + (1,) * (a.ndim - 1)) if a.ndim else a}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("maker", sorted(MAKERS))
+def test_layout_survives(layout, maker, strategy):
+    a = LAYOUTS[layout](MAKERS[maker])
+    b = roundtrip(a)
+    assert b.dtype == a.dtype and b.shape == a.shape
+    np.testing.assert_array_equal(b, a)
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    compacted = (maker == "large" and root is not a and root.nbytes > 2 * a.nbytes)
+    if compacted:  # a small view of a large base travels as a compact copy, same order
+        assert b.flags.f_contiguous == (a.flags.f_contiguous or (
+            not a.flags.c_contiguous and a.strides[0] < a.strides[-1]))
+    elif a.size:
+        assert b.strides == a.strides
+        assert b.flags.f_contiguous == a.flags.f_contiguous
+        assert b.flags.c_contiguous == a.flags.c_contiguous
+
+
+@pytest.mark.parametrize("maker", sorted(MAKERS))
+def test_readonly_flag_survives(maker):
+    a = MAKERS[maker](np.arange(8.0))
+    a.flags.writeable = False
+    b = roundtrip(a)
+    assert not b.flags.writeable
+    c = roundtrip(MAKERS[maker](np.arange(8.0)))
+    assert c.flags.writeable
+
+
+def test_shared_array_crosses_as_handle_writes_visible(strategy):
+    a = shmtensor.zeros((4, 4))
+    b = roundtrip(a)
+    assert shmtensor.is_shared(b)
+    b[1, 2] = 9
+    assert a[1, 2] == 9
+
+
+@pytest.mark.parametrize("maker", ["plain", "shared", "large"])
+def test_views_of_one_base_arrive_as_views_of_one_buffer(maker, strategy):
+    x = MAKERS[maker](np.random.rand(5, 5))
+    data = [x, x[1:], x[:, 1:], x.T]
+    new = roundtrip(data)
+    for a, b in zip(data, new):
+        np.testing.assert_array_equal(a, b)
+    new[0][2, 1] = -1.0
+    assert new[1][1, 1] == -1.0 and new[2][2, 0] == -1.0 and new[3][1, 2] == -1.0
+
+
+def test_object_arrays_fall_back_to_pickle():
+    a = np.array([{"x": 1}, None, "s"], dtype=object)
+    b = roundtrip(a)
+    assert b.dtype == object and b[0] == {"x": 1} and b[2] == "s"
+
+
+def test_large_not_shared_is_copied_once_into_a_segment():
+    a = np.arange(200_000, dtype=np.float64)
+    before = shmtensor.debug_info()["arrays_sent_copied"]
+    b = roundtrip(a)
+    assert shmtensor.is_shared(b) and (b == a).all()
+    assert shmtensor.debug_info()["arrays_sent_copied"] == before + 1
+    b[0] = 5
+    assert a[0] == 0  # a copy: the sender's array is untouched
+
+
+def test_small_not_shared_is_inline_and_threshold_configurable():
+    prev = shmtensor.get_inline_threshold()
+    try:
+        b = roundtrip(np.arange(10))
+        assert not shmtensor.is_shared(b)
+        shmtensor.set_inline_threshold(0)
+        assert shmtensor.is_shared(roundtrip(np.arange(10)))
+    finally:
+        shmtensor.set_inline_threshold(prev)
+
+
+def test_plain_pickle_of_shared_array_is_self_contained():
+    a = shmtensor.full((3, 3), 2.0)
+    blob = pickle.dumps(a)
+    assert b"shmtensor" not in blob
+    b = pickle.loads(blob)
+    assert not shmtensor.is_shared(b) and (b == 2.0).all()
+
+
+def test_segment_handle_outside_a_channel_is_refused():
+    seg = shmtensor._segments.segment_of(shmtensor.zeros(3))
+    with pytest.raises(pickle.PicklingError, match="shmtensor channels"):
+        _reductions._Pickler(__import__("io").BytesIO()).dump(seg)
+
+
+def test_segment_mapped_once_however_many_messages():
+    a = shmtensor.zeros(1000)
+    got = [roundtrip(a) for _ in range(5)]
+    bases = {id(g.base) for g in got}
+    assert len(bases) == 1  # one anchor, one mapping, in the receiver
+
+
+def test_recycling_reuses_released_segments():
+    shmtensor.empty_cache()
+    before = shmtensor.debug_info()
+    for _ in range(20):
+        b = roundtrip(np.ones(100_000))
+        del b
+    after = shmtensor.debug_info()
+    assert after["segments_created"] - before["segments_created"] <= 2
+    assert after["segments_recycled"] - before["segments_recycled"] >= 18
+
+
+def test_no_reuse_while_a_receiver_holds_the_segment():
+    kept = roundtrip(np.full(100_000, 1.0))
+    again = roundtrip(np.full(100_000, 2.0))
+    assert (kept == 1.0).all() and (again == 2.0).all()
+
+
+def test_full_dev_shm_raises_a_clear_error_instead_of_sigbus(strategy):
+    import shutil
+    huge = shutil.disk_usage("/dev/shm").free * 4 + (1 << 40)
+    with pytest.raises(shmtensor.ShmSpaceError) as err:
+        shmtensor.empty(huge, dtype=np.uint8)
+    msg = str(err.value)
+    assert "MB" in msg and ("--shm-size" in msg or "memory" in msg)
+    with pytest.raises(shmtensor.ShmSpaceError):
+        roundtrip(np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), (huge,), (0,)))
