@@ -64,6 +64,10 @@ def untrack(name: str) -> None:
         _send(f"-0 {name}\n")
 
 
+def own_fds() -> set[int]:
+    return {_sock.fileno()} if _sock is not None else set()
+
+
 def janitor_pid() -> int | None:
     return _proc.pid if _proc is not None else None
 

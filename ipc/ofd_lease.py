@@ -30,7 +30,7 @@ import threading
 from .posix_shm import PREFIX, process_tag
 
 __all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "holdings", "hold", "release",
-           "inflight_fd", "lock_more", "forget_idle", "adopt_table", "table_count", "after_fork_in_child"]
+           "inflight_fd", "forget_idle", "adopt_table", "table_count", "after_fork_in_child"]
 
 HAVE_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64 and aarch64
@@ -154,11 +154,6 @@ def inflight_fd(table_id: str, slots) -> int:
     return fd
 
 
-def lock_more(fd: int, slot: int) -> None:
-    """Add ``slot`` to an in-flight description made by :func:`inflight_fd`."""
-    _setlk(fd, fcntl.F_RDLCK, slot)
-
-
 def forget_idle() -> int:
     """Close the holding descriptions of peer tables through which nothing is held."""
     closed = 0
@@ -176,6 +171,14 @@ def forget_idle() -> int:
                     pass
                 closed += 1
     return closed
+
+
+def own_fds() -> set[int]:
+    """The fds of this process's own table: one set per process, open for its lifetime."""
+    if _own is None:
+        return set()
+    h = _holdings.get(_own.id)
+    return {_own.fd, _own._probe} | ({h.fd} if h is not None else set())
 
 
 def table_count() -> int:

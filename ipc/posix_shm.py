@@ -17,6 +17,7 @@ Some facts this module is built on (Linux):
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -26,7 +27,7 @@ import sys
 
 __all__ = [
     "PREFIX", "SHM_DIR", "HAVE_MEMFD", "ShmSpaceError", "process_tag", "segment_name",
-    "parse_name", "create_memfd", "create_named", "open_named", "unlink_named", "map_fd",
+    "parse_name", "create_memfd", "create_named", "open_named", "unlink_named", "map_fd", "Mapping",
 ]
 
 PREFIX = "shmtensor"
@@ -34,8 +35,16 @@ SHM_DIR = "/dev/shm"
 HAVE_MEMFD = hasattr(os, "memfd_create")
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _POPULATE_FROM = 1 << 20
+_CHECK_MEMORY_FROM = 64 << 20
 
 _tag: str | None = None
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class ShmSpaceError(MemoryError):
@@ -94,8 +103,9 @@ def _available(named: bool) -> int:
 
 
 def _reserve(fd: int, size: int, named: bool) -> None:
-    # Refuse up front what cannot fit: fallocate would first take every free page, then fail.
-    if size > _available(named):
+    # Refuse up front what cannot fit: fallocate would first take every free page, then
+    # fail.  Small segments skip the (slower) memory check: they cannot do that harm.
+    if (named or size >= _CHECK_MEMORY_FROM) and size > _available(named):
         raise _space_error(size, named, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
     try:
         os.ftruncate(fd, size)
@@ -152,12 +162,41 @@ def unlink_named(name: str) -> bool:
         return False
 
 
-def map_fd(fd: int, size: int, populate: bool = False) -> mmap.mmap:
+class Mapping:
+    """A shared, writable mapping of a segment fd that keeps no fd open.
+
+    CPython's ``mmap.mmap`` keeps a duplicate of the fd for each mapping (before 3.13's
+    ``trackfd=False``), which would cost one fd per received array; this maps through libc
+    instead and exposes the memory as a ctypes buffer.  ``close`` unmaps: call it only once
+    nothing refers to ``buffer`` (shmtensor's anchors guarantee that).
+    """
+
+    __slots__ = ("address", "size", "buffer")
+
+    def __init__(self, fd: int, size: int, populate: bool = False) -> None:
+        flags = mmap.MAP_SHARED
+        if populate and size >= _POPULATE_FROM:
+            flags |= _MAP_POPULATE
+        length = max(size, 1)
+        addr = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+        if addr in (None, _MAP_FAILED):
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot map a {_mb(length)} segment: {os.strerror(err)}"
+                          + (" (vm.max_map_count reached? fewer live arrays, or raise it)"
+                             if err == errno.ENOMEM else ""))
+        self.address = addr
+        self.size = length
+        self.buffer = (ctypes.c_char * length).from_address(addr)
+
+    def close(self) -> None:
+        if self.buffer is not None:
+            self.buffer = None
+            _libc.munmap(self.address, self.size)
+
+
+def map_fd(fd: int, size: int, populate: bool = False) -> Mapping:
     """Map ``size`` bytes of ``fd`` shared and writable (at least one byte: mmap needs it)."""
-    flags = mmap.MAP_SHARED
-    if populate and size >= _POPULATE_FROM:
-        flags |= _MAP_POPULATE
-    return mmap.mmap(fd, max(size, 1), flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return Mapping(fd, size, populate)
 
 
 if sys.platform != "linux":  # pragma: no cover - documented platform limits

@@ -67,7 +67,7 @@ class Connection(_mpc.Connection):
         """Send a picklable object; arrays in it cross through shared memory."""
         data, ctx = _reductions.dumps(obj)
         try:
-            self.send_frame(data, ctx.fds)
+            self.send_frame(data, ctx.wire_fds())
         finally:
             ctx.release()
 
@@ -80,7 +80,7 @@ class Connection(_mpc.Connection):
         """Send the frame a queue's feeder thread just 'pickled' (see ``_queues.Frame``)."""
         frame = _stash.__dict__.pop("frame")
         try:
-            self.send_frame(frame.data, frame.ctx.fds)
+            self.send_frame(frame.data, frame.ctx.wire_fds())
         finally:
             frame.ctx.release()
 

@@ -103,9 +103,9 @@ class SimpleQueue(_mpq.SimpleQueue):
         data, ctx = _reductions.dumps(obj)
         try:
             if self._wlock is None:
-                self._writer.send_frame(data, ctx.fds)
+                self._writer.send_frame(data, ctx.wire_fds())
             else:
                 with self._wlock:
-                    self._writer.send_frame(data, ctx.fds)
+                    self._writer.send_frame(data, ctx.wire_fds())
         finally:
             ctx.release()

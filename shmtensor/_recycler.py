@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from itertools import islice
 
 from ipc import janitor, ofd_lease, posix_shm
 
@@ -27,7 +28,12 @@ IDLE_BYTES = 4 << 30
 _PROBE_LIMIT = 16
 
 _lock = threading.RLock()
+# Idle own segments by capacity class (bit length), each oldest-first; plus all of them in
+# idle order for trimming.  Sizes are page multiples, so a class holds sizes within 2x.
+_buckets: dict[int, "OrderedDict[str, _segments.Segment]"] = {}
 _idle: "OrderedDict[str, _segments.Segment]" = OrderedDict()
+_idle_bytes = 0
+_SCAN_LIMIT = 64
 
 
 def _capacity(nbytes: int) -> int:
@@ -38,22 +44,31 @@ def _fits(cap: int, need: int) -> bool:
     return need <= cap <= max(2 * need, need + (64 << 10))
 
 
+def _take(seg: _segments.Segment) -> None:
+    global _idle_bytes
+    del _idle[seg.key]
+    del _buckets[seg.size.bit_length()][seg.key]
+    _idle_bytes -= seg.size
+
+
 def acquire(nbytes: int, kind: str) -> _segments.Segment:
     """A segment of at least ``nbytes`` that nobody holds: recycled if possible, else new."""
     need = _capacity(nbytes)
     table = ofd_lease.own_table()
     with _lock:
-        probed = 0
-        for key, seg in _idle.items():
-            if seg.kind != kind or not _fits(seg.size, need):
-                continue
-            probed += 1
-            if not table.is_held(seg.slot):
-                del _idle[key]
-                _stats.bump("segments_recycled")
-                return seg
-            if probed >= _PROBE_LIMIT:
-                break
+        probed = scanned = 0
+        for cls in (need.bit_length(), need.bit_length() + 1):
+            for seg in _buckets.get(cls, {}).values():
+                scanned += 1
+                if scanned > _SCAN_LIMIT or probed >= _PROBE_LIMIT:
+                    break
+                if seg.kind != kind or not _fits(seg.size, need):
+                    continue
+                probed += 1
+                if not table.is_held(seg.slot):
+                    _take(seg)
+                    _stats.bump("segments_recycled")
+                    return seg
     trim()
     return _create(need, kind, table)
 
@@ -85,16 +100,19 @@ def _create(size: int, kind: str, table: ofd_lease.LeaseTable) -> _segments.Segm
 
 
 def _on_idle(seg: _segments.Segment) -> None:
+    global _idle_bytes
     with _lock:
-        if seg.key in _segments._by_key and not seg.alive():
+        if seg.key in _segments._by_key and not seg.alive() and seg.key not in _idle:
             _idle[seg.key] = seg
-            _idle.move_to_end(seg.key)
+            _buckets.setdefault(seg.size.bit_length(), OrderedDict())[seg.key] = seg
+            _idle_bytes += seg.size
     trim()
 
 
 def _on_busy(seg: _segments.Segment) -> None:
     with _lock:
-        _idle.pop(seg.key, None)
+        if seg.key in _idle:
+            _take(seg)
 
 
 _segments._own_idle_hook = _on_idle
@@ -110,20 +128,23 @@ def _destroy(seg: _segments.Segment) -> None:
 
 
 def trim(force: bool = False) -> int:
-    """Destroy idle, unheld own segments past the budget (all of them with ``force``)."""
+    """Destroy idle, unheld own segments past the age or byte budget (all with ``force``).
+
+    Cheap when there is nothing to do: it looks at the oldest entries only."""
+    if not _idle:
+        return 0
     now = time.monotonic()
     freed = 0
-    table = ofd_lease.own_table() if _idle else None
+    table = ofd_lease.own_table()
     with _lock:
-        total = sum(s.size for s in _idle.values())
-        for key, seg in list(_idle.items()):
+        oldest = list(_idle.values()) if force else list(islice(_idle.values(), _SCAN_LIMIT))
+        for seg in oldest:
             old = now - seg.idle_since > IDLE_SECONDS[seg.kind]
-            if not (force or old or total > IDLE_BYTES):
-                continue
+            if not (force or old or _idle_bytes > IDLE_BYTES):
+                break  # oldest first: the rest are younger
             if seg.alive() or table.is_held(seg.slot):
                 continue
-            del _idle[key]
-            total -= seg.size
+            _take(seg)
             freed += seg.size
             _destroy(seg)
     return freed
@@ -138,10 +159,13 @@ def after_fork_in_child() -> None:
     """The parent's segments are not the child's to reuse: forget them (views stay valid)."""
     global _lock
     _lock = threading.RLock()
+    global _idle_bytes
     for seg in list(_idle.values()):
         if not seg.alive():
             seg.close()
     _idle.clear()
+    _buckets.clear()
+    _idle_bytes = 0
     for seg in _segments.mapped():
         if seg.own:
             seg.own = False

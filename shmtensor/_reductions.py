@@ -38,7 +38,11 @@ _local = threading.local()
 
 
 class SendContext:
-    """What one outgoing message needs besides its bytes: fds to attach and refs to keep."""
+    """What one outgoing message needs besides its bytes: fds to attach and refs to keep.
+
+    In-flight lock descriptions are made by :meth:`wire_fds`, right before the send, so a
+    message waiting in a queue's buffer costs no fd (its anchors keep the holds meanwhile).
+    """
 
     __slots__ = ("fds", "owned", "keep", "inflight", "__weakref__")
 
@@ -46,7 +50,16 @@ class SendContext:
         self.fds: list[int] = []
         self.owned: list[int] = []   # in-flight lock descriptions: closed once sent
         self.keep: list = []          # anchors that must outlive the send
-        self.inflight: dict[str, int] = {}
+        self.inflight: dict[str, tuple[int, list[int]]] = {}
+
+    def wire_fds(self) -> list[int]:
+        """The fds to send: segment fds plus one fresh in-flight description per table."""
+        for table_id, (i, slots) in self.inflight.items():
+            if self.fds[i] < 0:
+                fd = ofd_lease.inflight_fd(table_id, slots)
+                self.owned.append(fd)
+                self.fds[i] = fd
+        return self.fds
 
     def release(self) -> None:
         owned, self.owned = self.owned, []
@@ -111,14 +124,12 @@ def _reduce_segment(seg: Segment):
     if ctx is None:
         raise pickle.PicklingError("shmtensor segments travel only on shmtensor channels")
     ctx.keep.append(seg.anchor())
-    i = ctx.inflight.get(seg.table_id)
-    if i is None:
-        fd = ofd_lease.inflight_fd(seg.table_id, (seg.slot,))
-        ctx.owned.append(fd)
-        ctx.fds.append(fd)
-        i = ctx.inflight[seg.table_id] = len(ctx.fds) - 1
-    else:
-        ofd_lease.lock_more(ctx.fds[i], seg.slot)
+    entry = ctx.inflight.get(seg.table_id)
+    if entry is None:
+        ctx.fds.append(-1)  # placeholder: SendContext.wire_fds makes the description
+        entry = ctx.inflight[seg.table_id] = (len(ctx.fds) - 1, [])
+    entry[1].append(seg.slot)
+    i = entry[0]
     d = -1
     if seg.kind == FD:
         ctx.fds.append(seg.fd)

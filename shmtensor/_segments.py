@@ -10,7 +10,6 @@ of other processes' segments are evicted by age and by total size.
 
 from __future__ import annotations
 
-import mmap
 import os
 import resource
 import threading
@@ -32,12 +31,6 @@ CACHE_IDLE_BYTES = 2 << 30
 CACHE_IDLE_COUNT = 512
 
 
-class _SegMap(mmap.mmap):
-    """An mmap that knows its segment: the bottom of every shared array's base chain."""
-
-    segment: "Segment"
-
-
 class Segment:
     """One segment mapped in this process, made here (``own``) or attached from elsewhere."""
 
@@ -53,9 +46,7 @@ class Segment:
                 a = self._anchor() if self._anchor is not None else None
                 if a is None:
                     ofd_lease.hold(self.table_id, self.slot)
-                    a = np.frombuffer(self.mm, np.uint8, count=self.size)
-                    if not self.address:
-                        self.address = a.__array_interface__["data"][0]
+                    a = np.frombuffer(self.mm.buffer, np.uint8, count=self.size)
                     self._anchor = weakref.ref(a)
                     f = weakref.finalize(a, _anchor_died, self)
                     f.atexit = False
@@ -70,10 +61,10 @@ class Segment:
     def close(self) -> None:
         """Unmap and close; only when no anchor is alive (views would dangle)."""
         if self.mm is not None:
-            try:
-                self.mm.close()
-            except BufferError:  # a view escaped the anchor (should not happen): keep it
+            if self.alive():
                 return
+            _by_buffer.pop(id(self.mm.buffer), None)
+            self.mm.close()
             self.mm = None
         if self.fd is not None:
             _close_fd(self)
@@ -94,6 +85,7 @@ def _close_fd(seg: Segment) -> None:
 
 _lock = threading.RLock()
 _by_key: dict[str, Segment] = {}
+_by_buffer: dict[int, Segment] = {}  # id(mapping buffer) -> segment: ends every base chain
 _idle: "OrderedDict[str, Segment]" = OrderedDict()  # attached segments with no live anchor
 _kept_fds = 0
 _own_busy_hook = lambda seg: None  # noqa: E731 - set by _recycler
@@ -128,10 +120,8 @@ def segment_of(a) -> Segment | None:
             b = b.base
         elif isinstance(b, memoryview):
             b = b.obj
-        elif isinstance(b, _SegMap):
-            return b.segment
         else:
-            return None
+            return _by_buffer.get(id(b))
     return None
 
 
@@ -178,11 +168,9 @@ def new_segment(key, kind, size, table_id, slot, own, fd, populate=False) -> Seg
     seg.address = 0
     seg._anchor = None
     seg.idle_since = time.monotonic()
-    flags = mmap.MAP_SHARED
-    if populate and size >= (1 << 20):
-        flags |= getattr(mmap, "MAP_POPULATE", 0)
-    seg.mm = _SegMap(fd, max(size, 1), flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    seg.mm.segment = seg
+    seg.mm = posix_shm.map_fd(fd, size, populate)
+    seg.address = seg.mm.address
+    _by_buffer[id(seg.mm.buffer)] = seg
     return seg
 
 

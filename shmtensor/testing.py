@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from ipc import ofd_lease, posix_shm, procfs
+from ipc import janitor, ofd_lease, posix_shm, procfs
 
 __all__ = ["LeakError", "leak_checker", "Leak"]
 
@@ -39,6 +39,23 @@ class Leak:
     def __str__(self) -> str:
         extra = ", ".join(f"{k}={v}" for k, v in self.detail.items())
         return f"{self.kind} {self.what}" + (f" ({extra})" if extra else "")
+
+
+def _stdlib_helpers() -> tuple[set[int], set[int]]:
+    """Pids and fds of multiprocessing's own per-process helpers (resource tracker,
+    fork server): started once, kept for the process's lifetime, not leaks."""
+    pids, fds = set(), set()
+    try:
+        from multiprocessing import forkserver, resource_tracker
+        rt = resource_tracker._resource_tracker
+        pids.add(getattr(rt, "_pid", None))
+        fds.add(getattr(rt, "_fd", None))
+        fs = forkserver._forkserver
+        pids.add(getattr(fs, "_forkserver_pid", None))
+        fds.add(getattr(fs, "_forkserver_alive_fd", None))
+    except Exception:  # private attributes moved: report them rather than crash
+        pass
+    return pids - {None}, fds - {None}
 
 
 def _fds() -> dict[int, str]:
@@ -80,8 +97,10 @@ class leak_checker:
         self._cleanup_local()
         leaks: list[Leak] = []
         me = os.getpid()
+        helper_pids, helper_fds = _stdlib_helpers()
         for child in psutil.Process().children(recursive=True):
-            if child.pid in self._children_before:
+            if (child.pid in self._children_before or child.pid == janitor.janitor_pid()
+                    or child.pid in helper_pids):
                 continue
             try:
                 if child.status() == psutil.STATUS_ZOMBIE:
@@ -110,8 +129,9 @@ class leak_checker:
                     "mapped_by": sorted(others)}))
         if self.check_fds:
             now = _fds()
+            infrastructure = ofd_lease.own_fds() | janitor.own_fds() | helper_fds
             for fd, target in sorted(now.items()):
-                if fd in self._fds_before and self._fds_before[fd] == target:
+                if fd in infrastructure or self._fds_before.get(fd) == target:
                     continue
                 if target.startswith("/proc/"):
                     continue

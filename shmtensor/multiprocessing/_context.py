@@ -30,7 +30,7 @@ class _ShmProcess:
         data, ctx = _reductions.dumps(payload)
         self._shm_send = ctx  # the fds must stay open until the child has them (start())
         state["_target"], state["_args"], state["_kwargs"] = None, (), {}
-        state["_shm_payload"] = (bytes(data), [reduction.DupFd(fd) for fd in ctx.fds])
+        state["_shm_payload"] = (bytes(data), [reduction.DupFd(fd) for fd in ctx.wire_fds()])
         return state
 
     def __setstate__(self, state):
@@ -79,12 +79,6 @@ class _ShmContext:
 
     def Pipe(self, duplex: bool = True):
         return _Pipe(duplex)
-
-    def Manager(self):
-        from ._managers import SyncManager
-        m = SyncManager(ctx=self)
-        m.start()
-        return m
 
     def get_context(self, method: str | None = None):
         return self if method is None else get_context(method)

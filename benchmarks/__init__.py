@@ -1,0 +1,1 @@
+"""Benchmarks of shmtensor beside its peers; run them with ``scripts/bench``."""

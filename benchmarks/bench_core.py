@@ -1,0 +1,265 @@
+"""shmtensor beside its peers, in one run: per-array transfer times and target ratios.
+
+Usage: ``scripts/bench [--quick] [--out DIR]``.  A spawned child produces arrays, the parent
+consumes them and times steady-state ``get()``s (see :mod:`benchmarks._harness`); every
+queue peer goes through the same harness.  Prints a table and the targets' verdicts, writes
+``DIR/results.json`` and, with matplotlib, ``DIR/plot.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+import shmtensor as st
+
+from . import _peers, _report
+from ._harness import (SHARED, Peer, median_session, time_joblib, time_memcpy,
+                       time_queue)
+from ._report import GB, KB, MB
+
+NOT_SHARED = "not shared"
+JOBLIB_SCENARIO = "joblib round trip (other harness)"
+FLOOR = "floor"
+STDLIB, SHM = "stdlib mp.Queue", "shmtensor Queue"
+TORCH_FD, TORCH_FS, TORCH_FD_PRE = "torch fd", "torch fs", "torch fd pre-shared"
+MEMCPY, JOBLIB = "numpy copyto", "joblib loky x2"
+
+PEERS = (
+    Peer(NOT_SHARED, STDLIB, "plain", "stdlib"),
+    Peer(NOT_SHARED, SHM, "plain", "shmtensor"),
+    Peer(NOT_SHARED, TORCH_FD, "torch_fd", "torch"),
+    Peer(NOT_SHARED, TORCH_FS, "torch_fs", "torch"),
+    Peer(SHARED, SHM, "shmtensor_shared", "shmtensor"),
+    Peer(SHARED, TORCH_FD_PRE, "torch_fd_preshared", "torch"),
+    Peer(SHARED, "SharedMemory attach", "shared_memory", "stdlib", _peers.take_shared_memory),
+)
+ONLY_1KB = {TORCH_FS}
+RECYCLING_SIZE = 256 * MB
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How much to measure: which sizes, and how many sessions, rounds and arrays."""
+
+    copy_sizes: tuple[int, ...]     # peers that copy each array (1 GB would only be slow)
+    shared_sizes: tuple[int, ...]
+    sessions: int                   # fresh producers per measurement; the median one counts
+    rounds: int                     # timed rounds per session; the median one counts
+    max_n: int                      # arrays per round, at most
+
+    def sizes(self, peer: Peer) -> tuple[int, ...]:
+        if peer.label in ONLY_1KB:
+            return (KB,)
+        return self.shared_sizes if peer.scenario == SHARED else self.copy_sizes
+
+    def n(self, moved: int) -> int:
+        """Arrays per round: ~64 MB copied a round, at least 3, at most ``max_n``."""
+        return max(3, min(self.max_n, (64 * MB) // max(moved, 1)))
+
+
+FULL = Settings((KB, 64 * KB, MB, 16 * MB, 256 * MB), (KB, 64 * KB, MB, 16 * MB, 256 * MB, GB),
+                sessions=3, rounds=3, max_n=2000)
+QUICK = Settings((KB, MB, 256 * MB), (KB, MB, GB), sessions=1, rounds=3, max_n=1000)
+
+
+def warmup(n: int) -> int:
+    """Untimed items before the first round: enough to start up and fill the pipeline."""
+    return max(2, min(20, n // 10))
+
+
+def available(module: str) -> str | None:
+    """The module's version when it imports, else None."""
+    try:
+        return importlib.import_module(module).__version__
+    except (ImportError, OSError):  # OSError: a wheel whose shared libraries do not load
+        return None
+
+
+def machine_info(quick: bool) -> dict:
+    """What the numbers were measured on (and with), for results.json."""
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "numpy": np.__version__,
+        "shmtensor": st.__version__,
+        "torch": available("torch"),
+        "joblib": available("joblib"),
+        "quick": quick,
+        "load_average_at_start": os.getloadavg()[0],
+    }
+
+
+def progress(result: dict, wall: float) -> None:
+    """One line on stderr per finished measurement."""
+    shown = _report.time_label(result["per_array_s"]) if "error" not in result else result["error"]
+    print(f"  {result['scenario']:<12.12} {_report.size_label(result['size']):>7}  "
+          f"{result['peer']:<22} {shown:>10}   ({wall:.1f} s)", file=sys.stderr, flush=True)
+
+
+def measure(scenario: str, peer: str, size: int, run, sessions: int) -> dict:
+    """Run one measurement; a failure is recorded (and shown), not fatal to the run."""
+    result = {"scenario": scenario, "peer": peer, "size": size}
+    start = time.monotonic()
+    try:
+        timing = median_session(run, sessions)
+        result.update(per_array_s=timing.per_array_s, n=timing.n, info=timing.producer_info)
+    except Exception as e:  # one broken peer must not hide the others' numbers
+        result.update(per_array_s=None, n=0, error=f"{type(e).__name__}: {e}")
+    progress(result, time.monotonic() - start)
+    return result
+
+
+def run_all(settings: Settings, have_torch: bool, have_joblib: bool) -> list[dict]:
+    """Every measurement of the plan, in order; torch's and joblib's only when importable."""
+    rounds, sessions = settings.rounds, settings.sessions
+    results = [measure(FLOOR, MEMCPY, 256 * MB, partial(time_memcpy, 256 * MB, 3 * rounds),
+                       sessions)]
+    for peer in PEERS:
+        if peer.context == "torch" and not have_torch:
+            continue
+        for size in settings.sizes(peer):
+            n = settings.n(peer.bytes_moved(size))
+            run = partial(time_queue, peer, size, n, rounds, warmup(n))
+            results.append(measure(peer.scenario, peer.label, size, run, sessions))
+    if have_joblib:
+        for size in settings.copy_sizes:
+            n = settings.n(size)
+            results.append(measure(JOBLIB_SCENARIO, JOBLIB, size,
+                                   partial(time_joblib, size, n, rounds), sessions))
+    return results
+
+
+class Lookup:
+    """Per-array times by (scenario, peer, size)."""
+
+    def __init__(self, results: list[dict]) -> None:
+        self.times = {(r["scenario"], r["peer"], r["size"]): r["per_array_s"] for r in results}
+
+    def __call__(self, scenario: str, peer: str, size: int) -> float | None:
+        return self.times.get((scenario, peer, size))
+
+    def by_size(self, scenario: str, peer: str) -> dict[int, float]:
+        return {size: t for (sc, p, size), t in self.times.items()
+                if sc == scenario and p == peer and t is not None}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _target(name: str, ratio: float | None, op: str, limit: float) -> dict:
+    ok = None if ratio is None else (ratio <= limit if op == "<=" else ratio >= limit)
+    return {"name": name, "ratio": ratio, "op": op, "limit": limit, "pass": ok}
+
+
+def evaluate_targets(results: list[dict]) -> list[dict]:
+    """The project's targets as ratios of the measured times (None where a peer is missing)."""
+    t = Lookup(results)
+    shared = t.by_size(SHARED, SHM)
+    slowest, fastest = max(shared.values(), default=None), min(shared.values(), default=None)
+    torch_over_shared = [r for r in (_ratio(t(SHARED, TORCH_FD_PRE, s), shared[s]) for s in shared)
+                         if r is not None]
+    span = "shared " + "..".join(_report.size_label(s) for s in (min(shared), max(shared))) \
+        if shared else "shared"
+    return [
+        _target("1 KB not shared: shmtensor time / stdlib time",
+                _ratio(t(NOT_SHARED, SHM, KB), t(NOT_SHARED, STDLIB, KB)), "<=", 1.3),
+        _target("1 KB not shared: torch fd (not pre-shared) time / shmtensor time",
+                _ratio(t(NOT_SHARED, TORCH_FD, KB), t(NOT_SHARED, SHM, KB)), ">=", 15),
+        _target(f"{span}: slowest / fastest shmtensor time (size independence)",
+                _ratio(slowest, fastest), "<=", 1.5),
+        _target(f"{span}: slowest shmtensor time / stdlib 1 KB not shared time",
+                _ratio(slowest, t(NOT_SHARED, STDLIB, KB)), "<=", 2),
+        _target(f"{span}: torch fd pre-shared time / shmtensor time, worst size",
+                min(torch_over_shared, default=None), ">=", 10),
+        _target("256 MB not shared: shmtensor time / memcpy 256 MB",
+                _ratio(t(NOT_SHARED, SHM, 256 * MB), t(FLOOR, MEMCPY, 256 * MB)), "<=", 2),
+        _target("256 MB not shared: torch fd (not pre-shared) time / shmtensor time",
+                _ratio(t(NOT_SHARED, TORCH_FD, 256 * MB), t(NOT_SHARED, SHM, 256 * MB)), ">=", 7),
+    ]
+
+
+def recycling(results: list[dict]) -> dict | None:
+    """The producer's shmtensor counters after sending the 256 MB not-shared arrays."""
+    for r in results:
+        if (r["scenario"], r["peer"], r["size"]) == (NOT_SHARED, SHM, RECYCLING_SIZE):
+            info = r.get("info") or {}
+            keys = ("segments_created", "segments_recycled", "arrays_sent_copied")
+            return {k: info[k] for k in keys if k in info}
+    return None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="scripts/bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer sizes and repeats: a smoke run of about a minute")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"),
+                        help="where results.json and plot.png go (default: bench-results/)")
+    return parser.parse_args(argv)
+
+
+def print_report(settings: Settings, machine: dict, results: list[dict], targets: list[dict],
+                 counters: dict | None) -> None:
+    print(f"\nshmtensor {st.__version__} beside its peers (Python {machine['python']}, "
+          f"{machine['cpus']} CPUs; spawn, producer in a child, parent times its gets)")
+    print(f"per array: the median of {settings.sessions} session(s) (fresh producers), each "
+          f"the median of {settings.rounds} rounds; n: arrays timed in all\n")
+    print(_report.format_table(results))
+    print("\ntargets:")
+    print(_report.format_targets(targets))
+    if counters is not None:
+        print("\nshmtensor producer counters, 256 MB not shared (after warm-up and all rounds):")
+        print("  " + ", ".join(f"{k}={v}" for k, v in counters.items()))
+
+
+def save(out: Path, machine: dict, results: list[dict], targets: list[dict],
+         counters: dict | None) -> None:
+    """Write results.json and, when matplotlib imports, plot.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [{k: v for k, v in r.items() if k != "info"} for r in results]
+    _report.write_json(out / "results.json", machine=machine, results=rows, targets=targets,
+                       recycling_256mb=counters)
+    title = (f"shmtensor {st.__version__}: time per array "
+             f"({machine['cpus']} CPUs, Python {machine['python']})")
+    if _report.plot(out / "plot.png", rows, title):
+        print(f"\nwrote {out / 'results.json'} and {out / 'plot.png'}")
+    else:
+        print(f"\nwrote {out / 'results.json'} (no plot: matplotlib is not installed)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    machine = machine_info(args.quick)
+    for module in ("torch", "joblib"):
+        if machine[module] is None:
+            print(f"{module} is not importable: its rows are skipped", file=sys.stderr)
+    if machine["load_average_at_start"] > 0.5:
+        print(f"note: load average {machine['load_average_at_start']:.2f} at start: other work "
+              "on this machine skews the numbers", file=sys.stderr)
+    print("measuring (scenario, size, peer, per array):", file=sys.stderr)
+    settings = QUICK if args.quick else FULL
+    results = run_all(settings, machine["torch"] is not None, machine["joblib"] is not None)
+    targets = evaluate_targets(results)
+    counters = recycling(results)
+    print_report(settings, machine, results, targets, counters)
+    save(args.out, machine, results, targets, counters)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Behaviour across processes: the seed's CPU tests ported, plus lifetimes and limits."""
+
+import concurrent.futures
+import os
+import time
+
+import numpy as np
+import pytest
+
+import shmtensor
+import shmtensor.multiprocessing as smp
+from ipc import procfs
+
+import helpers
+from conftest import JOIN, START_METHODS, join_all
+
+REPEATS = 5
+
+
+def _sharing(ctx, lc):
+    # fill: the child writes into a shared array the parent sees
+    x = shmtensor.zeros((5, 5))
+    q, e = ctx.Queue(), ctx.Event()
+    data = [x, x[:, 1]]
+    q.put(data)
+    p = ctx.Process(target=helpers.simple_fill, args=(q, e), daemon=True)
+    p.start()
+    lc.check_pid(p.pid)
+    assert e.wait(JOIN)
+    assert (data[0] == 4).all() and (data[1] == 4).all()
+    join_all(p)
+    # receive: the same array twice arrives as views of one buffer
+    q, e = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=helpers.send_array, args=(q, e), daemon=True)
+    p.start()
+    lc.check_pid(p.pid)
+    t1, t2 = q.get(timeout=JOIN), q.get(timeout=JOIN)
+    assert (t1 == 1).all() and t1.base is t2.base
+    del t1, t2
+    e.set()
+    join_all(p)
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_sharing_repeated(method, strategy, lc):
+    ctx = smp.get_context(method)
+    for _ in range(REPEATS):
+        _sharing(ctx, lc)
+
+
+def test_preserve_sharing_repeated(strategy, lc):
+    ctx = smp.get_context("spawn")
+    for _ in range(REPEATS):
+        x = shmtensor.share_memory(np.random.randn(5, 5))
+        data = [x, x[2], x[:, 1]]
+        q = ctx.Queue()
+        q.put(data)
+        new = q.get(timeout=JOIN)
+        for a, b in zip(data, new):
+            np.testing.assert_array_equal(a, b)
+        assert all(n.base is new[0].base for n in new)
+        assert new[0].base is x.base  # back in the producer: a view of its own memory
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_pool_repeated(method, strategy, lc):
+    ctx = smp.get_context(method)
+    for _ in range(2):
+        with ctx.Pool(2) as pool:
+            for proc in pool._pool:
+                lc.check_pid(proc.pid)
+            buffers = [shmtensor.zeros((2, 2)) for _ in range(4)]
+            results = pool.map(helpers.pool_fill, buffers, 1)
+            assert len(results) == 4
+            for r in results:
+                np.testing.assert_array_equal(r, np.full((2, 2), 5.0))
+            for b in buffers:
+                np.testing.assert_array_equal(b, np.full((2, 2), 4.0))
+        pool.join()
+
+
+def test_fs_segment_visible_in_flight_and_gone_after(lc):
+    prev = smp.get_sharing_strategy()
+    smp.set_sharing_strategy("file_system")
+    try:
+        ctx = smp.get_context("spawn")
+        mine = f"shmtensor_{os.getpid()}_"
+        for _ in range(REPEATS):
+            q = ctx.Queue()
+            assert not [n for n in procfs.named_segments() if n.startswith(mine)]
+            q.put(np.zeros(100_000))          # large: copied into a named segment
+            assert [n for n in procfs.named_segments() if n.startswith(mine)]
+            q.get(timeout=JOIN)
+            shmtensor.empty_cache()
+            assert not [n for n in procfs.named_segments() if n.startswith(mine)]
+    finally:
+        smp.set_sharing_strategy(prev)
+
+
+def test_inherit_under_fork(lc):
+    ctx = smp.get_context("fork")
+    t = shmtensor.zeros((5, 5))
+    p = ctx.Process(target=helpers.inherit_add, args=(t,))
+    p.start()
+    join_all(p)
+    np.testing.assert_array_equal(t, np.full((5, 5), 3.0))
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_process_args_share_under_spawn(method, lc):
+    ctx = smp.get_context(method)
+    t = shmtensor.zeros((5, 5))
+    p = ctx.Process(target=helpers.inherit_add, args=(t,))
+    p.start()
+    join_all(p)
+    np.testing.assert_array_equal(t, np.full((5, 5), 3.0))
+
+
+def test_empty_and_zero_d_across_processes(strategy, lc):
+    ctx = smp.get_context("spawn")
+    q = ctx.Queue()
+    q.put([np.empty(0), shmtensor.empty((0, 4)), shmtensor.full((), 2.5)])
+    a, b, c = q.get(timeout=JOIN)
+    assert a.shape == (0,) and b.shape == (0, 4) and c.shape == () and c == 2.5
+
+
+def test_is_shared():
+    assert shmtensor.is_shared(shmtensor.zeros(3))
+    assert not shmtensor.is_shared(np.zeros(3))
+    assert not shmtensor.is_shared([1, 2])
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_producer_exits_right_after_put(method, strategy, lc):
+    ctx = smp.get_context(method)
+    q = ctx.Queue()
+    p = ctx.Process(target=helpers.put_and_exit, args=(q, 4, 50_000))
+    p.start()
+    join_all(p)  # gone before anything is read
+    got = [q.get(timeout=JOIN) for _ in range(5)]
+    assert [int(g[0]) for g in got] == [0, 1, 2, 3, 42]
+    assert all(shmtensor.is_shared(g) for g in got)
+
+
+def test_send_back_to_producer_is_its_own_memory(strategy, lc):
+    ctx = smp.get_context("spawn")
+    inq, outq = ctx.Queue(), ctx.Queue()
+    a = shmtensor.zeros(10)
+    p = ctx.Process(target=helpers.send_back, args=(inq, outq))
+    p.start()
+    inq.put(a)
+    back, part = outq.get(timeout=JOIN), outq.get(timeout=JOIN)
+    join_all(p)
+    assert back.base is a.base and part.base is a.base
+    back[2] = 7
+    assert a[2] == 7 and part[1] == 7
+
+
+def test_ten_thousand_arrays_alive_under_ulimit_256(lc):
+    ctx = smp.get_context("spawn")
+    q, out = ctx.Queue(), ctx.Queue()
+    n = 10_000
+    p = ctx.Process(target=helpers.limit_fds_and_receive, args=(q, out, n, 256))
+    p.start()
+    prev = shmtensor.get_inline_threshold()
+    shmtensor.set_inline_threshold(0)  # every array through a segment, none inline
+    try:
+        for i in range(n):
+            q.put(np.full(4, i, dtype=np.int64))
+    finally:
+        shmtensor.set_inline_threshold(prev)
+    ok, nfds, count = out.get(timeout=JOIN * 2)
+    join_all(p)
+    assert ok and count == n
+    assert nfds < 128
+
+
+def test_process_pool_executor_with_context(lc):
+    ctx = smp.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=ctx) as ex:
+        outs = list(ex.map(helpers.executor_task, [np.arange(5.0), np.ones(3)]))
+    np.testing.assert_array_equal(outs[0], np.arange(5.0) * 2)
+    assert shmtensor.is_shared(outs[0])
+
+
+def test_pipe_and_simple_queue_and_joinable_queue(lc):
+    ctx = smp.get_context("spawn")
+    a, b = ctx.Pipe()
+    x = shmtensor.ones(4)
+    a.send(x)
+    assert b.recv().base is x.base
+    a.send_bytes(b"raw")
+    assert b.recv_bytes() == b"raw"
+    a.close(), b.close()
+    sq = ctx.SimpleQueue()
+    sq.put(x)
+    assert sq.get().base is x.base
+    sq.close()
+    jq = ctx.JoinableQueue()
+    jq.put(x)
+    assert jq.get().base is x.base
+    jq.task_done()
+    jq.join()
+
+
+def test_manager_works_with_the_context(lc):
+    # The manager's own connections pickle by value for now (see the issue notes).
+    ctx = smp.get_context("spawn")
+    with ctx.Manager() as m:
+        lc.check_pid(m._process.pid)
+        shared = m.list()
+        shared.append(shmtensor.full(3, 2.0))
+        np.testing.assert_array_equal(shared[0], np.full(3, 2.0))
+        del shared
+
+
+def test_drop_in_exports_every_multiprocessing_name():
+    import multiprocessing
+    missing = [n for n in multiprocessing.__all__ if not hasattr(smp, n)]
+    assert not missing
+    ctx = smp.get_context("spawn")
+    assert isinstance(ctx, multiprocessing.context.BaseContext)
+    assert smp.get_all_sharing_strategies() >= {"file_descriptor", "file_system"}
+
+
+def test_importing_changes_nothing_for_stdlib_users():
+    import multiprocessing
+    from multiprocessing.reduction import ForkingPickler
+    assert np.ndarray not in ForkingPickler._extra_reducers
+    q = multiprocessing.get_context("spawn").Queue()
+    x = shmtensor.zeros(3)
+    q.put(x)
+    y = q.get(timeout=JOIN)
+    assert not shmtensor.is_shared(y)
+    q.close()
+    q.join_thread()
