@@ -51,7 +51,8 @@ def track(name: str, slot: int, lease_fd: int) -> None:
             env = dict(os.environ)
             env["PYTHONPATH"] = pkg_root + os.pathsep + env.get("PYTHONPATH", "")
             _proc = subprocess.Popen(
-                [sys.executable, "-m", "ipc.janitor", str(child.fileno()), str(lease_fd)],
+                [sys.executable, "-m", "ipc.janitor", str(child.fileno()), str(lease_fd),
+                 str(os.getpid())],
                 pass_fds=(child.fileno(), lease_fd), start_new_session=True, env=env,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
             child.close()
@@ -88,6 +89,17 @@ def after_fork_in_child() -> None:
 def _held(probe_fd: int, slot: int) -> bool:
     res = fcntl.fcntl(probe_fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, 0, slot, 1, 0))
     return _FLOCK.unpack(res)[0] != fcntl.F_UNLCK
+
+
+def running_janitors() -> dict[int, int]:
+    """Creator pid -> pid of its live janitor, for every janitor on this machine."""
+    import psutil
+    out = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if len(cmd) >= 6 and cmd[1:3] == ["-m", "ipc.janitor"] and cmd[5].isdigit():
+            out[int(cmd[5])] = p.info["pid"]
+    return out
 
 
 def _main(sock_fd: int, lease_fd: int) -> None:

@@ -6,12 +6,15 @@ Facts this module is built on (Linux):
   same open files.  While the message sits in the socket, the kernel holds the files: the
   sender may close its fds, or exit, and the receiver still gets them.
 * The fds ride on the first byte of the ``sendmsg`` they came with, and a ``recvmsg`` never
-  reads past a byte that carries fds, so the 12-byte header below, sent in one call with the
-  fds, always arrives with them.
+  reads past a byte that carries fds, so a header sent in one call with the fds always
+  arrives with them.
 * One message carries at most 253 fds (``SCM_MAX_FD``); more go in one-byte follow-up frames.
 
-A frame is ``!QI`` (payload length, fd count), the fds, then the payload.  Writers that
-share a socket must hold a lock around :func:`send_frame`, as the stdlib's queues already do.
+Frames extend the stdlib Connection's framing, so a frame without fds is exactly what
+``multiprocessing.connection`` sends (``!i`` length, or ``-1`` then ``!Q`` length) and the
+stdlib's handshakes work on these sockets.  A frame with fds starts ``!i`` ``-2``, then
+``!QI`` (payload length, fd count); the fds ride on that header.  Writers that share a
+socket must hold a lock around :func:`send_frame`, as the stdlib's queues already do.
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ __all__ = ["HAVE_SCM_RIGHTS", "MAX_FDS", "send_frame", "recv_frame"]
 
 HAVE_SCM_RIGHTS = hasattr(socket, "SCM_RIGHTS") and hasattr(socket.socket, "sendmsg")
 MAX_FDS = 253
-_HEADER = struct.Struct("!QI")
+_SMALL = struct.Struct("!i")
+_LARGE = struct.Struct("!iQ")
+_WITH_FDS = struct.Struct("!iQI")
+_Q = struct.Struct("!Q")
+_QI = struct.Struct("!QI")
 _ANC_SIZE = socket.CMSG_SPACE(MAX_FDS * 4) if HAVE_SCM_RIGHTS else 0
 _INLINE = 1 << 16
 
@@ -37,7 +44,12 @@ def send_frame(sock: socket.socket, data, fds=()) -> None:
     """Send ``data`` (bytes-like) and ``fds`` as one frame."""
     data = memoryview(data).cast("B")
     n = len(data)
-    header = _HEADER.pack(n, len(fds))
+    if fds:
+        header = _WITH_FDS.pack(-2, n, len(fds))
+    elif n < 0x7FFFFFFF:
+        header = _SMALL.pack(n)
+    else:
+        header = _LARGE.pack(-1, n)
     if len(fds) <= MAX_FDS and n <= _INLINE:
         sent = sock.sendmsg([header, data], _anc(fds))
         if sent < len(header) + n:
@@ -87,7 +99,16 @@ def _recv_exact_msg(sock, size: int, fds: list) -> bytes:
 def recv_frame(sock: socket.socket) -> tuple[bytearray, list[int]]:
     """Receive one frame: ``(payload, fds)``; the caller owns (and must close) the fds."""
     fds: list[int] = []
-    n, nfds = _HEADER.unpack(_recv_exact_msg(sock, _HEADER.size, fds))
+    (code,) = _SMALL.unpack(_recv_exact_msg(sock, 4, fds))
+    nfds = 0
+    if code >= 0:
+        n = code
+    elif code == -1:
+        (n,) = _Q.unpack(_recv_exact_msg(sock, 8, fds))
+    elif code == -2:
+        n, nfds = _QI.unpack(_recv_exact_msg(sock, 12, fds))
+    else:
+        raise OSError(f"bad frame header {code}: the peer does not speak this protocol")
     while len(fds) < nfds:
         _recv_exact_msg(sock, 1, fds)
     buf = bytearray(n)

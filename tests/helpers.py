@@ -84,3 +84,34 @@ def suicide_after_get(queue):
 
 def sleep_forever():
     time.sleep(3600)
+
+
+def fault_producer(queue, stop, size):
+    """Send uniform arrays (shared and not) until told to stop; recycling runs throughout."""
+    import queue as _q
+    i = 0
+    while not stop.is_set():
+        a = shmtensor.full(size, i, dtype=np.int64) if i % 2 else np.full(size, i, dtype=np.int64)
+        try:
+            queue.put(a, timeout=0.2)
+        except _q.Full:
+            continue
+        i += 1
+
+
+def fault_consumer(queue, out, keep):
+    """Receive, check each array is whole, keep the last few; report when the stream dries."""
+    import queue as _q
+    kept, n = [], 0
+    while True:
+        try:
+            a = queue.get(timeout=2.0)
+        except _q.Empty:
+            break
+        if not (a == a[0]).all():
+            out.put(("corrupt", n))
+            return
+        kept = (kept + [(int(a[0]), a)])[-keep:]
+        n += 1
+    intact = all((a == v).all() for v, a in kept)
+    out.put(("ok" if intact else "corrupt", n))

@@ -80,6 +80,13 @@ class _ShmContext:
     def Pipe(self, duplex: bool = True):
         return _Pipe(duplex)
 
+    def Manager(self):
+        """A started SyncManager whose connections carry arrays through shared memory."""
+        from ._managers import SyncManager
+        m = SyncManager(ctx=self)
+        m.start()
+        return m
+
     def get_context(self, method: str | None = None):
         return self if method is None else get_context(method)
 

@@ -1,0 +1,5 @@
+import sys
+
+from shmtensor.cli import main
+
+sys.exit(main())

@@ -1,0 +1,177 @@
+"""``spawn(fn, args, nprocs)``: run ``fn(rank, *args)`` in several processes, fail fast.
+
+Each child writes its traceback to an error file of its own if ``fn`` raises (a file, not a
+queue, so a dying child cannot leave a half-written message behind), and asks the kernel
+to kill it when its parent dies (``PR_SET_PDEATHSIG``, Linux).  ``join`` watches every
+child's sentinel: on the first failure it sends SIGTERM to the siblings, then SIGKILL
+after a grace period, and raises an exception carrying the rank, the exit code or signal,
+and the child's traceback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import time
+import traceback
+
+__all__ = ["spawn", "start_processes", "ProcessContext", "ProcessException",
+           "ProcessRaisedException", "ProcessExitedException"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+class ProcessException(Exception):
+    """A child started by :func:`spawn` failed."""
+
+    def __init__(self, msg: str, error_index: int, pid: int) -> None:
+        super().__init__(msg)
+        self.msg, self.error_index, self.pid = msg, error_index, pid
+
+    def __reduce__(self):
+        return type(self), (self.msg, self.error_index, self.pid)
+
+
+class ProcessRaisedException(ProcessException):
+    """``fn`` raised in a child; ``str()`` holds the child's traceback."""
+
+
+class ProcessExitedException(ProcessException):
+    """A child exited without raising: a non-zero exit code or a signal."""
+
+    def __init__(self, msg: str, error_index: int, error_pid: int, exit_code: int,
+                 signal_name: str | None = None) -> None:
+        super().__init__(msg, error_index, error_pid)
+        self.exit_code, self.signal_name = exit_code, signal_name
+
+    def __reduce__(self):
+        return type(self), (self.msg, self.error_index, self.pid, self.exit_code,
+                            self.signal_name)
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+
+def _wrap(fn, rank: int, args: tuple, error_file: str) -> None:
+    _die_with_parent()
+    try:
+        fn(rank, *args)
+    except KeyboardInterrupt:
+        pass  # the parent is stopping us
+    except Exception:
+        with open(error_file, "wb") as f:
+            pickle.dump(traceback.format_exc(), f)
+        sys.exit(1)
+
+
+class ProcessContext:
+    """The children of one :func:`spawn` call; ``join(timeout)`` reports progress."""
+
+    def __init__(self, processes, error_files) -> None:
+        self.processes = processes
+        self.error_files = error_files
+        self.sentinels = {p.sentinel: rank for rank, p in enumerate(processes)}
+
+    def pids(self) -> list[int]:
+        return [int(p.pid) for p in self.processes]
+
+    def join(self, timeout: float | None = None, grace_period: float | None = 5.0) -> bool:
+        """True once every child exited cleanly, False if some still run after ``timeout``;
+        raises on the first failure, after stopping the siblings."""
+        if not self.sentinels:
+            return True
+        ready = multiprocessing.connection.wait(list(self.sentinels), timeout=timeout)
+        failed = None
+        for sentinel in ready:
+            rank = self.sentinels.pop(sentinel)
+            proc = self.processes[rank]
+            proc.join()
+            if proc.exitcode != 0 and failed is None:
+                failed = rank
+        if failed is None:
+            return not self.sentinels
+        self._stop_siblings(grace_period)
+        self._raise(failed)
+
+    def _stop_siblings(self, grace_period: float | None) -> None:
+        alive = [p for p in self.processes if p.is_alive()]
+        for p in alive:
+            p.terminate()
+        deadline = time.monotonic() + (grace_period or 0)
+        for p in alive:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in alive:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.sentinels.clear()
+
+    def _raise(self, rank: int):
+        proc = self.processes[rank]
+        path = self.error_files[rank]
+        if os.path.exists(path) and os.path.getsize(path):
+            with open(path, "rb") as f:
+                tb = pickle.load(f)
+            raise ProcessRaisedException(
+                f"\n\n-- Process {rank} (pid {proc.pid}) terminated with the following error:\n{tb}",
+                rank, proc.pid)
+        code = proc.exitcode
+        if code < 0:
+            name = signal.Signals(-code).name
+            raise ProcessExitedException(
+                f"process {rank} (pid {proc.pid}) terminated with signal {name}",
+                rank, proc.pid, code, name)
+        raise ProcessExitedException(
+            f"process {rank} (pid {proc.pid}) terminated with exit code {code}",
+            rank, proc.pid, code)
+
+    def __del__(self) -> None:
+        for path in getattr(self, "error_files", ()):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def start_processes(fn, args=(), nprocs: int = 1, join: bool = True, daemon: bool = False,
+                    start_method: str = "spawn"):
+    """Like :func:`spawn`, for any start method."""
+    from ._context import get_context
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be at least 1, got {nprocs}")
+    ctx = get_context(start_method)
+    processes, error_files = [], []
+    for rank in range(nprocs):
+        fd, path = tempfile.mkstemp(prefix="shmtensor-spawn-", suffix=".err")
+        os.close(fd)
+        error_files.append(path)
+        p = ctx.Process(target=_wrap, args=(fn, rank, tuple(args), path), daemon=daemon)
+        p.start()
+        processes.append(p)
+    context = ProcessContext(processes, error_files)
+    if not join:
+        return context
+    while not context.join():
+        pass
+    return None
+
+
+def spawn(fn, args=(), nprocs: int = 1, join: bool = True, daemon: bool = False,
+          start_method: str = "spawn"):
+    """Run ``fn(rank, *args)`` in ``nprocs`` processes (``rank`` = 0..nprocs-1).
+
+    ``fn`` may be a lambda or a closure (it is pickled with cloudpickle).  With ``join``
+    (the default) this returns when every child exited and raises on the first failure;
+    with ``join=False`` it returns a :class:`ProcessContext` to ``join(timeout)`` yourself.
+    """
+    return start_processes(fn, args, nprocs, join, daemon, start_method)

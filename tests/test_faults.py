@@ -1,0 +1,52 @@
+"""Fault injection: SIGKILL producers and consumers at random points under both strategies.
+
+Afterwards nothing of theirs is left in /dev/shm (within test_crash.BOUND for
+file_system), no survivor hangs, and what a survivor still holds is intact."""
+
+import gc
+import os
+import random
+import signal
+import time
+
+import pytest
+
+import shmtensor.multiprocessing as smp
+
+import helpers
+from conftest import JOIN, join_all
+from test_crash import _wait_clean
+
+
+@pytest.mark.parametrize("victim", ["producer", "consumer"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_sigkill(strategy, victim, seed, lc):
+    rnd = random.Random(seed)
+    ctx = smp.get_context("spawn")
+    q, out, stop = ctx.Queue(maxsize=8), ctx.Queue(), ctx.Event()
+    size = rnd.choice([8, 20_000, 300_000])  # inline, and through segments
+    prod = ctx.Process(target=helpers.fault_producer, args=(q, stop, size))
+    cons = ctx.Process(target=helpers.fault_consumer, args=(q, out, 4))
+    prod.start()
+    cons.start()
+    time.sleep(rnd.uniform(0.5, 1.5))  # in put, in get, holding, recycling: wherever it is
+    dead, survivor = (prod, cons) if victim == "producer" else (cons, prod)
+    os.kill(dead.pid, signal.SIGKILL)
+    dead.join(JOIN)
+    assert dead.exitcode == -signal.SIGKILL
+    if victim == "producer":
+        status, n = out.get(timeout=JOIN)  # the consumer notices the stream dried up
+        assert status == "ok" and n > 0
+    stop.set()
+    join_all(survivor)
+    assert survivor.exitcode == 0
+    # Messages still in the queue stay readable (and their segments alive) while anyone
+    # holds its reading end: let go of both queues, as a program does when it ends.
+    for chan in (q, out):
+        chan.close()
+        chan.join_thread()
+    del q, out, chan
+    gc.collect()
+    for p in (prod, cons):
+        named, mapped = _wait_clean(p.pid)
+        assert not named and not mapped, (named, mapped)
