@@ -14,6 +14,7 @@ from ipc import ofd_lease as _ofd_lease
 from ipc.posix_shm import ShmSpaceError
 
 from . import _recycler, _segments, _stats
+from ._batch_pool import BatchPool
 from ._alloc import (empty, empty_like, full, is_shared, ones, share_memory, zeros,
                      zeros_like)
 from ._strategy import (get_all_sharing_strategies, get_inline_threshold,
@@ -23,7 +24,7 @@ __version__ = "0.1.0"
 __all__ = ["empty", "zeros", "ones", "full", "empty_like", "zeros_like", "share_memory",
            "is_shared", "set_sharing_strategy", "get_sharing_strategy",
            "get_all_sharing_strategies", "set_inline_threshold", "get_inline_threshold",
-           "empty_cache", "debug_info", "ShmSpaceError"]
+           "empty_cache", "debug_info", "ShmSpaceError", "BatchPool"]
 
 
 def empty_cache() -> int:

@@ -107,6 +107,7 @@ def _on_idle(seg: _segments.Segment) -> None:
             _buckets.setdefault(seg.size.bit_length(), OrderedDict())[seg.key] = seg
             _idle_bytes += seg.size
     trim()
+    _ensure_sweeper()
 
 
 def _on_busy(seg: _segments.Segment) -> None:
@@ -115,8 +116,38 @@ def _on_busy(seg: _segments.Segment) -> None:
             _take(seg)
 
 
+_sweeper: threading.Thread | None = None
+SWEEP_SECONDS = 1.0
+
+
+def _sweep() -> None:
+    """Apply the idle limits while the process is otherwise quiet; stop when nothing idles."""
+    global _sweeper
+    while True:
+        time.sleep(SWEEP_SECONDS)
+        try:
+            trim()
+            _segments.evict_idle()
+        except Exception:  # interpreter shutting down: nothing left to sweep for
+            return
+        with _lock:
+            if not _idle and not _segments._idle:
+                _sweeper = None
+                return
+
+
+def _ensure_sweeper() -> None:
+    global _sweeper
+    if _sweeper is None:
+        with _lock:
+            if _sweeper is None:
+                _sweeper = threading.Thread(target=_sweep, daemon=True, name="shmtensor-sweeper")
+                _sweeper.start()
+
+
 _segments._own_idle_hook = _on_idle
 _segments._own_busy_hook = _on_busy
+_segments._attached_idle_hook = _ensure_sweeper
 
 
 def _destroy(seg: _segments.Segment) -> None:
@@ -157,9 +188,9 @@ def idle_segments() -> list[_segments.Segment]:
 
 def after_fork_in_child() -> None:
     """The parent's segments are not the child's to reuse: forget them (views stay valid)."""
-    global _lock
+    global _lock, _sweeper, _idle_bytes
     _lock = threading.RLock()
-    global _idle_bytes
+    _sweeper = None
     for seg in list(_idle.values()):
         if not seg.alive():
             seg.close()

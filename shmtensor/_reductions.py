@@ -19,14 +19,15 @@ table, one in-flight lock description and, for memfds, the segment fds (see
 
 from __future__ import annotations
 
-import copyreg
 import io
 import os
 import pickle
 import threading
 from collections import ChainMap
+from multiprocessing.pool import ExceptionWithTraceback, rebuild_exc
 from multiprocessing.reduction import ForkingPickler
 
+import cloudpickle
 import numpy as np
 
 from ipc import ofd_lease
@@ -137,11 +138,37 @@ def _reduce_segment(seg: Segment):
     return _rebuild_segment, (seg.key, seg.kind, seg.size, seg.table_id, seg.slot, d, i)
 
 
-class _Pickler(pickle.Pickler):
-    """Pickles with shmtensor's reducers ahead of multiprocessing's and copyreg's."""
+def _reduce_exception_with_traceback(e: ExceptionWithTraceback):
+    """A pool worker's exception: itself when the caller can rebuild it, else a stand-in."""
+    exc = e.exc
+    try:
+        pickle.loads(cloudpickle.dumps(exc))
+    except Exception:
+        exc = RemoteError(f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc))
+    return rebuild_exc, (exc, e.tb)
 
-    dispatch_table = ChainMap({np.ndarray: _reduce_ndarray, Segment: _reduce_segment},
-                              ForkingPickler._extra_reducers, copyreg.dispatch_table)
+
+class RemoteError(Exception):
+    """Stands in for a worker's exception whose type cannot be rebuilt in the caller."""
+
+    def __init__(self, type_name: str, message: str) -> None:
+        super().__init__(type_name, message)
+        self.type_name, self.message = type_name, message
+
+    def __str__(self) -> str:
+        return (f"{self.type_name}: {self.message} (the exception could not be rebuilt here: "
+                "make its class picklable, e.g. pass every __init__ argument to "
+                "super().__init__)")
+
+
+class _Pickler(cloudpickle.Pickler):
+    """Pickles with shmtensor's reducers ahead of multiprocessing's, cloudpickle's and
+    copyreg's; functions and classes that cannot be imported by name (lambdas, closures,
+    ``__main__``) travel by value, as cloudpickle does."""
+
+    dispatch_table = ChainMap({np.ndarray: _reduce_ndarray, Segment: _reduce_segment,
+                               ExceptionWithTraceback: _reduce_exception_with_traceback},
+                              ForkingPickler._extra_reducers, cloudpickle.Pickler.dispatch_table)
 
 
 def dumps(obj) -> tuple[memoryview, SendContext]:

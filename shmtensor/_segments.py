@@ -35,7 +35,7 @@ class Segment:
     """One segment mapped in this process, made here (``own``) or attached from elsewhere."""
 
     __slots__ = ("key", "kind", "size", "table_id", "slot", "own", "mm", "fd", "address",
-                 "_anchor", "idle_since", "__weakref__")
+                 "_anchor", "idle_since", "pinned", "__weakref__")
 
     def anchor(self) -> np.ndarray:
         """The live anchor (made, and the lease held, if none is alive)."""
@@ -90,6 +90,7 @@ _idle: "OrderedDict[str, Segment]" = OrderedDict()  # attached segments with no 
 _kept_fds = 0
 _own_busy_hook = lambda seg: None  # noqa: E731 - set by _recycler
 _own_idle_hook = lambda seg: None  # noqa: E731 - set by _recycler
+_attached_idle_hook = lambda: None  # noqa: E731 - set by _recycler
 
 
 def _fd_budget() -> int:
@@ -103,13 +104,15 @@ def _anchor_died(seg: Segment) -> None:
     ofd_lease.release(seg.table_id, seg.slot)
     seg.idle_since = time.monotonic()
     if seg.own:
-        _own_idle_hook(seg)
+        if not seg.pinned:
+            _own_idle_hook(seg)
     else:
         with _lock:
             if seg.key in _by_key and not seg.alive():
                 _idle[seg.key] = seg
                 _idle.move_to_end(seg.key)
         evict_idle()
+        _attached_idle_hook()
 
 
 def segment_of(a) -> Segment | None:
@@ -168,6 +171,7 @@ def new_segment(key, kind, size, table_id, slot, own, fd, populate=False) -> Seg
     seg.address = 0
     seg._anchor = None
     seg.idle_since = time.monotonic()
+    seg.pinned = False  # reserved by a BatchPool: never handed to the recycler
     seg.mm = posix_shm.map_fd(fd, size, populate)
     seg.address = seg.mm.address
     _by_buffer[id(seg.mm.buffer)] = seg
@@ -191,6 +195,7 @@ def evict_idle(force: bool = False) -> int:
             total -= seg.size
             freed += seg.size
             seg.close()
+            _stats.bump("segments_evicted")
     return freed
 
 

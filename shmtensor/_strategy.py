@@ -11,8 +11,9 @@ FILE_SYSTEM = "file_system"
 _ALL = (FILE_DESCRIPTOR, FILE_SYSTEM) if HAVE_MEMFD else (FILE_SYSTEM,)
 
 # Arrays smaller than this are pickled into the message; larger ones cross through a
-# segment.  scripts/bench measures the crossover (docs/benchmarks.md).
-DEFAULT_INLINE_THRESHOLD = 64 * 1024
+# segment.  Measured crossover on the 2-vCPU machines: between 128 KB (inline 113 us,
+# segment 154 us) and 256 KB (inline 283 us, segment 167 us); see docs/benchmarks.md.
+DEFAULT_INLINE_THRESHOLD = 192 * 1024
 
 
 def _from_env(name: str, default):

@@ -115,3 +115,82 @@ def fault_consumer(queue, out, keep):
         n += 1
     intact = all((a == v).all() for v, a in kept)
     out.put(("ok" if intact else "corrupt", n))
+
+
+def square(x):
+    return x * x
+
+
+def add(a, b):
+    return a + b
+
+
+class NotRebuildable(Exception):
+    def __init__(self, a, b):
+        super().__init__(a)
+
+
+def raise_value_error(x):
+    raise ValueError(f"bad {x}")
+
+
+def raise_weird(x):
+    raise NotRebuildable(x, 2)
+
+
+def crash(how):
+    import ctypes
+    time.sleep(0.2)
+    if how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif how == "exit":
+        os._exit(3)
+    elif how == "segfault":
+        ctypes.string_at(0)
+    return how
+
+
+_init_value = None
+
+
+def set_init(v):
+    global _init_value
+    _init_value = v
+
+
+def get_init(_):
+    return _init_value, os.getpid()
+
+
+def spawn_ok(rank, out):
+    out.put(rank)
+
+
+def spawn_fail_rank1(rank):
+    if rank == 1:
+        raise KeyError(f"rank {rank} failed")
+    time.sleep(60)
+
+
+def spawn_exit_rank0(rank):
+    if rank == 0:
+        os._exit(4)
+    time.sleep(60)
+
+
+def batch_worker(out, n):
+    pool = shmtensor.BatchPool((4, 1000), np.float32, slots=2)
+    for i in range(n):
+        b = pool.acquire(timeout=30)
+        b[...] = i
+        out.put(b)
+        del b
+    out.put(shmtensor.debug_info()["segments_created"])
+
+
+class NumpyDataset:
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return np.full((3, 4), i, dtype=np.float32)

@@ -80,6 +80,11 @@ class _ShmContext:
     def Pipe(self, duplex: bool = True):
         return _Pipe(duplex)
 
+    def Pool(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None):
+        """A process pool whose tasks and results cross through shared memory."""
+        from ._pool import Pool
+        return Pool(processes, initializer, initargs, maxtasksperchild, context=self)
+
     def Manager(self):
         """A started SyncManager whose connections carry arrays through shared memory."""
         from ._managers import SyncManager

@@ -11,6 +11,7 @@ and the child's traceback.
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
@@ -57,9 +58,12 @@ class ProcessExitedException(ProcessException):
 def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         except (OSError, AttributeError):
             pass
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)  # the parent died before we asked to follow it
 
 
 def _wrap(fn, rank: int, args: tuple, error_file: str) -> None:

@@ -1,0 +1,93 @@
+"""``Pool``: the stdlib's process pool on shmtensor channels, that notices dead workers.
+
+Tasks and results cross on shmtensor SimpleQueues, so arrays go zero-copy and lambdas,
+closures and ``__main__`` functions work under spawn (cloudpickle).  A worker's exception
+is raised in the caller as itself, with the worker's traceback as ``__cause__``, or as a
+:class:`RemoteError` naming its type when that type cannot be rebuilt here.
+
+The stdlib's pool waits forever when a worker dies mid-task.  Here a watcher thread wakes
+on every worker's exit; a non-zero exit code while calls are pending fails every pending
+call with :class:`WorkerLostError` (naming the pid and exit code or signal) and marks the
+pool broken, so later calls fail at once too.  A worker that dies while the pool is idle
+is simply replaced by the stdlib's own worker handler.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import pool as _mpp
+from multiprocessing.connection import wait
+
+from .._reductions import RemoteError
+
+__all__ = ["Pool", "WorkerLostError", "RemoteError"]
+
+class WorkerLostError(BrokenProcessPool):
+    """A pool worker died (signal, ``os._exit``, crash) while calls were pending."""
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            return f"signal {-code} (exit code {code})"
+    return f"exit code {code}"
+
+
+def _fail(job, err: BaseException) -> None:
+    if isinstance(job, _mpp.IMapIterator):
+        job._set(job._index, (False, err))
+        job._set_length(job._index)
+    elif isinstance(job, _mpp.MapResult):
+        job._number_left = 1
+        job._set(0, (False, err))
+    else:
+        job._set(0, (False, err))
+
+
+class Pool(_mpp.Pool):
+    """``multiprocessing.Pool`` on shmtensor channels that fails fast when a worker dies."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._broken: WorkerLostError | None = None
+        super().__init__(*args, **kwargs)
+        self._watcher = threading.Thread(target=self._watch_workers, daemon=True,
+                                         name="shmtensor-pool-watcher")
+        self._watcher.start()
+
+    def _watch_workers(self) -> None:
+        """Wake on any worker's exit; a non-zero exit with calls pending breaks the pool."""
+        seen: dict[int, object] = {}
+        while self._state == _mpp.RUN and self._broken is None:
+            for w in list(self._pool):
+                seen.setdefault(id(w), w)
+            alive = [w.sentinel for w in seen.values() if w.exitcode is None]
+            if alive:
+                wait(alive, timeout=0.2)
+            else:
+                time.sleep(0.05)
+            for key, w in list(seen.items()):
+                code = w.exitcode
+                if code is None:
+                    continue
+                del seen[key]
+                if code != 0 and self._cache and self._state == _mpp.RUN:
+                    self._break(w.pid, code)
+
+    def _break(self, pid: int, code: int) -> None:
+        err = WorkerLostError(
+            f"pool worker pid {pid} died with {_describe(code)} while {len(self._cache)} "
+            "call(s) were pending: their results are lost and the pool is broken; close it "
+            "and create a new Pool")
+        self._broken = err
+        for job in list(self._cache.values()):
+            _fail(job, err)
+
+    def _check_running(self) -> None:
+        super()._check_running()
+        if self._broken is not None:
+            raise WorkerLostError(str(self._broken))
