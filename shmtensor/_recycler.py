@@ -79,7 +79,14 @@ def _create(size: int, kind: str, table: ofd_lease.LeaseTable) -> _segments.Segm
     if kind == FD:
         fd = posix_shm.create_memfd(name, size)
     else:
-        fd = posix_shm.create_named(name, size)
+        # The janitor hears of the name before the file exists: a SIGKILL in between
+        # leaves nothing it does not know about.
+        janitor.track(name, slot, table.fd)
+        try:
+            fd = posix_shm.create_named(name, size)
+        except BaseException:
+            janitor.untrack(name)
+            raise
     try:
         seg = _segments.new_segment(name, kind, size, table.id, slot, own=True, fd=fd,
                                     populate=True)
@@ -91,7 +98,6 @@ def _create(size: int, kind: str, table: ofd_lease.LeaseTable) -> _segments.Segm
     if kind == FS:
         os.close(fd)  # attached by name: no fd needed
         seg.fd = None
-        janitor.track(name, slot, table.fd)
     with _segments._lock:
         _segments._by_key[name] = seg
     _stats.bump("segments_created")
