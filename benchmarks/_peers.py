@@ -18,6 +18,7 @@ import shmtensor as st
 
 POOL = 2  # distinct source arrays a producer cycles through
 DTYPE = np.dtype(np.float64)
+ALWAYS_INLINE, NEVER_INLINE = 1 << 40, 0  # inline thresholds that force one path
 
 
 def source_array(nbytes: int, value: float = 1) -> np.ndarray:
@@ -35,6 +36,15 @@ def plain_arrays(nbytes: int):
     """Plain numpy arrays (not shared): the queue decides how they cross."""
     pool = source_pool(nbytes)
     yield lambda i: pool[i % POOL]
+
+
+@contextmanager
+def plain_with_threshold(nbytes: int, threshold: int):
+    """Plain arrays, sent by a producer whose inline threshold forces one path: pickled
+    into the message (``ALWAYS_INLINE``) or copied into a segment (``NEVER_INLINE``)."""
+    st.set_inline_threshold(threshold)
+    with plain_arrays(nbytes) as item:
+        yield item
 
 
 @contextmanager
@@ -85,6 +95,8 @@ def shared_memory_blocks(nbytes: int):
 
 MAKERS = {
     "plain": plain_arrays,
+    "plain_inline": lambda nbytes: plain_with_threshold(nbytes, ALWAYS_INLINE),
+    "plain_segment": lambda nbytes: plain_with_threshold(nbytes, NEVER_INLINE),
     "shmtensor_shared": shmtensor_shared,
     "torch_fd": lambda nbytes: torch_fresh(nbytes, "file_descriptor"),
     "torch_fs": lambda nbytes: torch_fresh(nbytes, "file_system"),
@@ -127,5 +139,11 @@ def take_shared_memory(q, timeout: float | None = None) -> None:
 
 
 def total(a: np.ndarray) -> float:
-    """The function joblib's workers apply to each array."""
+    """The function pool workers (joblib's, ``Pool.map``'s) apply to each array."""
     return float(a.sum())
+
+
+def scale_in_place(a: np.ndarray) -> np.ndarray:
+    """Double ``a`` where it lies and return it (a shared array comes back as itself)."""
+    a *= 2
+    return a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
@@ -45,15 +46,69 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def target(name: str, value: float | None, op: str, limit: float, unit: str = "x",
+           section: str = "core") -> dict:
+    """A target's verdict: ``value op limit`` (None when the value could not be measured).
+
+    ``unit`` is ``x`` for ratios of two times; anything else (``ms``, ``s``, ...) is shown
+    after the value."""
+    ok = None if value is None else (value <= limit if op == "<=" else value >= limit)
+    return {"section": section, "name": name, "ratio": value, "op": op, "limit": limit,
+            "unit": unit, "pass": ok}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, or None when either is missing (or ``b`` is 0)."""
+    return a / b if a is not None and b else None
+
+
+def _value_label(value: float | None, unit: str) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.2f}x" if unit == "x" else f"{value:.3g} {unit}"
+
+
 def format_targets(targets: list[dict]) -> str:
-    """One line per target: verdict, measured ratio, the limit, what is compared."""
+    """One line per target: verdict, measured value, the limit, what is compared."""
     lines = []
     for t in targets:
         verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[t["pass"]]
-        ratio = "n/a" if t["ratio"] is None else f"{t['ratio']:.2f}x"
-        want = f"(want {t['op']} {t['limit']:g}x)"
-        lines.append(f"  {verdict}  {ratio:>9}  {want:<15}  {t['name']}")
+        unit = t.get("unit", "x")
+        limit = f"{t['limit']:g}x" if unit == "x" else f"{t['limit']:g} {unit}"
+        want = f"(want {t['op']} {limit})"
+        lines.append(f"  {verdict}  {_value_label(t['ratio'], unit):>9}  {want:<16}  {t['name']}")
     return "\n".join(lines)
+
+
+def format_rows(header: tuple[str, ...], rows: list[tuple], left: int = 1) -> str:
+    """A plain table: the first ``left`` columns left-aligned, the others right-aligned."""
+    cells = [tuple(header)] + [tuple(str(c) for c in row) for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = []
+    for k, row in enumerate(cells):
+        lines.append("  ".join(c.ljust(w) if i < left else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+@dataclass
+class Section:
+    """One part of the run beyond the per-array table: its own table, targets and data."""
+
+    key: str                    # its key under "sections" in results.json
+    title: str
+    table: str
+    targets: list[dict]
+    data: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def render(self) -> str:
+        parts = [f"== {self.title} ==", self.table]
+        parts += [f"  {note}" for note in self.notes]
+        parts += ["targets:", format_targets(self.targets)]
+        return "\n".join(parts)
 
 
 def write_json(path: Path, **sections) -> None:

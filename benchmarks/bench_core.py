@@ -27,7 +27,7 @@ import shmtensor as st
 from . import _peers, _report
 from ._harness import (SHARED, Peer, median_session, time_joblib, time_memcpy,
                        time_queue)
-from ._report import GB, KB, MB
+from ._report import GB, KB, MB, ratio, target
 
 NOT_SHARED = "not shared"
 JOBLIB_SCENARIO = "joblib round trip (other harness)"
@@ -111,6 +111,11 @@ def progress(result: dict, wall: float) -> None:
           f"{result['peer']:<22} {shown:>10}   ({wall:.1f} s)", file=sys.stderr, flush=True)
 
 
+def without_info(result: dict) -> dict:
+    """A result as results.json keeps it: without the producer's counters."""
+    return {k: v for k, v in result.items() if k != "info"}
+
+
 def measure(scenario: str, peer: str, size: int, run, sessions: int) -> dict:
     """Run one measurement; a failure is recorded (and shown), not fatal to the run."""
     result = {"scenario": scenario, "peer": peer, "size": size}
@@ -158,39 +163,30 @@ class Lookup:
                 if sc == scenario and p == peer and t is not None}
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _target(name: str, ratio: float | None, op: str, limit: float) -> dict:
-    ok = None if ratio is None else (ratio <= limit if op == "<=" else ratio >= limit)
-    return {"name": name, "ratio": ratio, "op": op, "limit": limit, "pass": ok}
-
-
 def evaluate_targets(results: list[dict]) -> list[dict]:
     """The project's targets as ratios of the measured times (None where a peer is missing)."""
     t = Lookup(results)
     shared = t.by_size(SHARED, SHM)
     slowest, fastest = max(shared.values(), default=None), min(shared.values(), default=None)
-    torch_over_shared = [r for r in (_ratio(t(SHARED, TORCH_FD_PRE, s), shared[s]) for s in shared)
+    torch_over_shared = [r for r in (ratio(t(SHARED, TORCH_FD_PRE, s), shared[s]) for s in shared)
                          if r is not None]
     span = "shared " + "..".join(_report.size_label(s) for s in (min(shared), max(shared))) \
         if shared else "shared"
     return [
-        _target("1 KB not shared: shmtensor time / stdlib time",
-                _ratio(t(NOT_SHARED, SHM, KB), t(NOT_SHARED, STDLIB, KB)), "<=", 1.3),
-        _target("1 KB not shared: torch fd (not pre-shared) time / shmtensor time",
-                _ratio(t(NOT_SHARED, TORCH_FD, KB), t(NOT_SHARED, SHM, KB)), ">=", 15),
-        _target(f"{span}: slowest / fastest shmtensor time (size independence)",
-                _ratio(slowest, fastest), "<=", 1.5),
-        _target(f"{span}: slowest shmtensor time / stdlib 1 KB not shared time",
-                _ratio(slowest, t(NOT_SHARED, STDLIB, KB)), "<=", 2),
-        _target(f"{span}: torch fd pre-shared time / shmtensor time, worst size",
-                min(torch_over_shared, default=None), ">=", 10),
-        _target("256 MB not shared: shmtensor time / memcpy 256 MB",
-                _ratio(t(NOT_SHARED, SHM, 256 * MB), t(FLOOR, MEMCPY, 256 * MB)), "<=", 2),
-        _target("256 MB not shared: torch fd (not pre-shared) time / shmtensor time",
-                _ratio(t(NOT_SHARED, TORCH_FD, 256 * MB), t(NOT_SHARED, SHM, 256 * MB)), ">=", 7),
+        target("1 KB not shared: shmtensor time / stdlib time",
+               ratio(t(NOT_SHARED, SHM, KB), t(NOT_SHARED, STDLIB, KB)), "<=", 1.3),
+        target("1 KB not shared: torch fd (not pre-shared) time / shmtensor time",
+               ratio(t(NOT_SHARED, TORCH_FD, KB), t(NOT_SHARED, SHM, KB)), ">=", 15),
+        target(f"{span}: slowest / fastest shmtensor time (size independence)",
+               ratio(slowest, fastest), "<=", 1.5),
+        target(f"{span}: slowest shmtensor time / stdlib 1 KB not shared time",
+               ratio(slowest, t(NOT_SHARED, STDLIB, KB)), "<=", 2),
+        target(f"{span}: torch fd pre-shared time / shmtensor time, worst size",
+               min(torch_over_shared, default=None), ">=", 10),
+        target("256 MB not shared: shmtensor time / memcpy 256 MB",
+               ratio(t(NOT_SHARED, SHM, 256 * MB), t(FLOOR, MEMCPY, 256 * MB)), "<=", 2),
+        target("256 MB not shared: torch fd (not pre-shared) time / shmtensor time",
+               ratio(t(NOT_SHARED, TORCH_FD, 256 * MB), t(NOT_SHARED, SHM, 256 * MB)), ">=", 7),
     ]
 
 
@@ -231,7 +227,7 @@ def save(out: Path, machine: dict, results: list[dict], targets: list[dict],
          counters: dict | None) -> None:
     """Write results.json and, when matplotlib imports, plot.png."""
     out.mkdir(parents=True, exist_ok=True)
-    rows = [{k: v for k, v in r.items() if k != "info"} for r in results]
+    rows = [without_info(r) for r in results]
     _report.write_json(out / "results.json", machine=machine, results=rows, targets=targets,
                        recycling_256mb=counters)
     title = (f"shmtensor {st.__version__}: time per array "

@@ -8,6 +8,7 @@ puts arrays on it.  Public names live here and in :mod:`shmtensor.multiprocessin
 from __future__ import annotations
 
 import os as _os
+import sys as _sys
 
 from ipc import janitor as _janitor
 from ipc import ofd_lease as _ofd_lease
@@ -47,6 +48,9 @@ def debug_info() -> dict[str, int]:
     info["segments_attached_idle"] = sum(1 for s in segs if not s.own and not s.alive())
     info["bytes_mapped"] = sum(s.size for s in segs)
     info["lease_tables"] = _ofd_lease.table_count()
+    cuda = _sys.modules.get("shmtensor.cuda._ipc")
+    info.update(cuda.stats() if cuda is not None else
+                dict.fromkeys(("cuda_exports", "cuda_bytes_exported", "cuda_opened", "cuda_events"), 0))
     return info
 
 

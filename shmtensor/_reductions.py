@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import sys
 import threading
 from collections import ChainMap
 from multiprocessing.pool import ExceptionWithTraceback, rebuild_exc
@@ -120,17 +121,44 @@ def _reduce_on(a: np.ndarray, seg: Segment, readonly: bool):
     return _rebuild_array, (seg, _ptr(a) - seg.address, a.shape, a.strides, _dt(a.dtype), readonly)
 
 
-def _reduce_segment(seg: Segment):
+def _send_context() -> SendContext:
     ctx: SendContext | None = getattr(_local, "send", None)
     if ctx is None:
-        raise pickle.PicklingError("shmtensor segments travel only on shmtensor channels")
-    ctx.keep.append(seg.anchor())
-    entry = ctx.inflight.get(seg.table_id)
+        raise pickle.PicklingError("shmtensor segments and CUDA handles travel only on "
+                                   "shmtensor channels")
+    return ctx
+
+
+def inflight_index(table_id: str, slot: int) -> int:
+    """Index (among the message's fds) of the in-flight lock that will cover ``slot``."""
+    ctx = _send_context()
+    entry = ctx.inflight.get(table_id)
     if entry is None:
         ctx.fds.append(-1)  # placeholder: SendContext.wire_fds makes the description
-        entry = ctx.inflight[seg.table_id] = (len(ctx.fds) - 1, [])
-    entry[1].append(seg.slot)
-    i = entry[0]
+        entry = ctx.inflight[table_id] = (len(ctx.fds) - 1, [])
+    entry[1].append(slot)
+    return entry[0]
+
+
+def keep_alive(obj) -> None:
+    """Keep ``obj`` alive until the message being pickled has been sent."""
+    _send_context().keep.append(obj)
+
+
+def received_fd(i: int) -> int:
+    """The ``i``-th fd that came with the message being unpickled."""
+    ctx: _RecvContext | None = getattr(_local, "recv", None)
+    if ctx is None:
+        raise pickle.UnpicklingError(
+            "this pickle holds a shmtensor handle and can only be loaded from the shmtensor "
+            "channel it was sent on")
+    return ctx.fds[i]
+
+
+def _reduce_segment(seg: Segment):
+    ctx = _send_context()
+    ctx.keep.append(seg.anchor())
+    i = inflight_index(seg.table_id, seg.slot)
     d = -1
     if seg.kind == FD:
         ctx.fds.append(seg.fd)
@@ -169,6 +197,18 @@ class _Pickler(cloudpickle.Pickler):
     dispatch_table = ChainMap({np.ndarray: _reduce_ndarray, Segment: _reduce_segment,
                                ExceptionWithTraceback: _reduce_exception_with_traceback},
                               ForkingPickler._extra_reducers, cloudpickle.Pickler.dispatch_table)
+
+    def reducer_override(self, obj):
+        # CuPy objects: only possible once CuPy is imported, and only then do we look.
+        cp = sys.modules.get("cupy")
+        if cp is not None:
+            if isinstance(obj, cp.ndarray):
+                from .cuda import _ipc
+                return _ipc.reduce_cupy_array(obj)
+            if isinstance(obj, cp.cuda.Event):
+                from .cuda import _ipc
+                return _ipc.reduce_cupy_event(obj)
+        return super().reducer_override(obj)
 
 
 def dumps(obj) -> tuple[memoryview, SendContext]:
@@ -214,12 +254,8 @@ def loads(data, fds: list[int]):
 
 
 def _rebuild_segment(key, kind, size, table_id, slot, data_i, lock_i):
-    ctx: _RecvContext | None = getattr(_local, "recv", None)
-    if ctx is None:
-        raise pickle.UnpicklingError(
-            "this pickle holds a shmtensor segment handle and can only be loaded from the "
-            "shmtensor channel it was sent on")
-    ofd_lease.adopt_table(table_id, ctx.fds[lock_i])
+    ofd_lease.adopt_table(table_id, received_fd(lock_i))
+    ctx: _RecvContext = _local.recv
     seg = _segments.lookup(key)
     if seg is None:
         seg, took = _segments.attach(key, kind, size, table_id, slot,

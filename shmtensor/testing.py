@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -91,6 +92,9 @@ class leak_checker:
         import shmtensor
         gc.collect()
         shmtensor.empty_cache()
+        cuda = sys.modules.get("shmtensor.cuda._ipc")
+        if cuda is not None:
+            cuda.collect()
 
     def leaks(self) -> list[Leak]:
         """What is still there now (after collecting this process's garbage and idle caches)."""
@@ -127,6 +131,10 @@ class leak_checker:
                 leaks.append(Leak("segment", f"memfd {name}", {
                     "size": use.size, "creator": f"{parsed[0]} (dead)",
                     "mapped_by": sorted(others)}))
+        cuda = sys.modules.get("shmtensor.cuda._ipc")
+        for ex in cuda.exports() if cuda is not None else []:
+            leaks.append(Leak("cuda-export", f"device {ex['device']} block {ex['base']:#x}", {
+                "size": ex["size"], "held_elsewhere": ex["held"]}))
         if self.check_fds:
             now = _fds()
             infrastructure = ofd_lease.own_fds() | janitor.own_fds() | helper_fds

@@ -1,0 +1,150 @@
+"""GPU part of scripts/bench (run on a CUDA machine): shmtensor beside torch.multiprocessing.
+
+1. The seed's send_many: N small arrays relayed through three processes (producer ->
+   forwarder that copies -> summer); per-array time past start-up = (T(N) - T(N0)) / (N - N0).
+2. A 1 GiB array sent again and again once its allocation is open: time per get().
+
+Usage: python -m benchmarks.bench_cuda [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+N, N0, SIZE = 10_000, 1_000, 5
+
+
+def _relay_shm(count: int) -> float:
+    import numpy as np
+    import shmtensor.multiprocessing as smp
+    sys.path.insert(0, "tests")
+    import cuda_helpers as ch
+    ctx = smp.get_context("spawn")
+    q1, q2, q3 = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    e = ctx.Event()
+    procs = [ctx.Process(target=ch.send_and_delete, args=(q1, e, np.int64, count, SIZE)),
+             ctx.Process(target=ch.receive_and_send, args=(q1, q2, e, count)),
+             ctx.Process(target=ch.receive_and_send_sum, args=(q2, q3, e, np.int64, count, SIZE))]
+    t0 = time.perf_counter()
+    for p in procs:
+        p.start()
+    result = q3.get(timeout=600)
+    dt = time.perf_counter() - t0
+    assert int(result[0]) == count * (count - 1) // 2
+    del result
+    e.set()
+    for p in procs:
+        p.join(60)
+    return dt
+
+
+def _torch_send(q, e, count):
+    import torch
+    for i in range(count):
+        q.put(torch.full([SIZE], i, device="cuda", dtype=torch.long))
+    e.wait(600)
+
+
+def _torch_forward(q1, q2, e, count):
+    for _ in range(count):
+        q2.put(q1.get().clone())
+    e.wait(600)
+
+
+def _torch_sum(q2, q3, e, count):
+    import torch
+    s = torch.zeros([SIZE], device="cuda", dtype=torch.long)
+    for _ in range(count):
+        s += q2.get()
+    q3.put(s)
+    e.wait(600)
+
+
+def _relay_torch(count: int) -> float:
+    import torch.multiprocessing as tmp
+    ctx = tmp.get_context("spawn")
+    q1, q2, q3 = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    e = ctx.Event()
+    procs = [ctx.Process(target=_torch_send, args=(q1, e, count)),
+             ctx.Process(target=_torch_forward, args=(q1, q2, e, count)),
+             ctx.Process(target=_torch_sum, args=(q2, q3, e, count))]
+    t0 = time.perf_counter()
+    for p in procs:
+        p.start()
+    result = q3.get(timeout=600)
+    dt = time.perf_counter() - t0
+    assert int(result[0]) == count * (count - 1) // 2
+    del result
+    e.set()
+    for p in procs:
+        p.join(60)
+    return dt
+
+
+def _big_sender(q, e, reps):
+    import cupy as cp
+    a = cp.ones(1 << 27, dtype=cp.float64)  # 1 GiB
+    for _ in range(reps):
+        q.put(a)
+    e.wait(120)
+
+
+def _big_array(reps: int = 50) -> dict:
+    import cupy as cp
+    import shmtensor.multiprocessing as smp
+    ctx = smp.get_context("spawn")
+    q, e = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_big_sender, args=(q, e, reps))
+    p.start()
+    t0 = time.perf_counter()
+    first = q.get(timeout=120)
+    t_first = time.perf_counter() - t0
+    times = []
+    for _ in range(reps - 1):
+        t = time.perf_counter()
+        a = q.get(timeout=120)
+        times.append(time.perf_counter() - t)
+        assert a.nbytes == 1 << 30
+    ok = float(first[:10].sum()) == 10.0
+    del first, a
+    e.set()
+    p.join(60)
+    times.sort()
+    return {"first_get_s": t_first, "median_get_s": times[len(times) // 2], "values_ok": ok}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    res = {}
+    shm = {n: _relay_shm(n) for n in (N0, N)}
+    res["shmtensor_relay"] = {"T1000_s": shm[N0], "T10000_s": shm[N], "per_array_s": (shm[N] - shm[N0]) / (N - N0)}
+    print(f"shmtensor relay: 1,000 in {shm[N0]:.2f} s, 10,000 in {shm[N]:.2f} s, "
+          f"{res['shmtensor_relay']['per_array_s'] * 1e6:.0f} us per array past start-up", flush=True)
+    try:
+        tor = {n: _relay_torch(n) for n in (N0, N)}
+        res["torch_relay"] = {"T1000_s": tor[N0], "T10000_s": tor[N], "per_array_s": (tor[N] - tor[N0]) / (N - N0)}
+        print(f"torch relay:     1,000 in {tor[N0]:.2f} s, 10,000 in {tor[N]:.2f} s, "
+              f"{res['torch_relay']['per_array_s'] * 1e6:.0f} us per array past start-up", flush=True)
+        ratio = res["torch_relay"]["per_array_s"] / res["shmtensor_relay"]["per_array_s"]
+        res["relay_ratio"] = ratio
+        print(f"  {'PASS' if ratio >= 5 else 'FAIL'} torch / shmtensor per array = {ratio:.1f}x (want >= 5x)")
+    except ImportError:
+        print("torch not installed: relay comparison skipped")
+    big = _big_array()
+    res["big_array"] = big
+    print(f"1 GiB array: first get {big['first_get_s'] * 1e3:.1f} ms (opens the allocation), then "
+          f"{big['median_get_s'] * 1e6:.0f} us per get; "
+          f"{'PASS' if big['median_get_s'] < 1e-3 else 'FAIL'} (want < 1 ms)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""CuPy arrays and interprocess events on shmtensor channels (legacy CUDA IPC).
+
+Producer: an array's allocation base (``cuMemGetAddressRange``; CuPy's pool sub-allocates)
+is *exported* once: an IPC handle, a lease slot in this process's lease table, and
+references that keep the memory out of CuPy's pool while any process holds the slot.  Each
+send records the export's interprocess event on the current stream (the consumer's stream
+waits on it, the host does not) and carries an in-flight lock on the slot.
+
+Consumer: opens each handle once (cached while any array uses it), holds the slot, and on
+the last array's death waits for its own work on the device, closes the handle and
+releases the slot.  Consumers that die release by dying (OFD locks).  A received array
+forwarded to a third process re-sends the original handle and slot, so the producer keeps
+the memory until the third process lets go too.  The producer drops released exports in
+:func:`ipc_collect`, which also runs on every new export.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+from ipc import cuda_ipc, ofd_lease
+
+from .. import _reductions
+
+_IPC_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
+EVENT_CAP = 4096    # interprocess events per process; past it, senders synchronize instead
+
+_lock = threading.RLock()
+_exports: dict[tuple[int, int], "_Export"] = {}
+_opened: dict[bytes, weakref.ref] = {}     # handle -> _Opening while any array uses it
+_opened_events: dict[bytes, int] = {}       # event handle -> opened event pointer
+_events_made = 0
+
+
+def cupy():
+    """CuPy, imported on first use (never at shmtensor's import)."""
+    cuda_ipc.check_not_bad_fork()
+    try:
+        import cupy as cp
+    except ImportError as e:
+        raise ImportError("shmtensor's CUDA support needs CuPy: pip install 'shmtensor[cuda12]' "
+                          "(CUDA 12) or 'shmtensor[cuda13]' (CUDA 13)") from e
+    return cp
+
+
+class _Export:
+    __slots__ = ("slot", "handle", "base", "size", "device", "bus_id", "refs", "event",
+                 "event_handle")
+
+    def __init__(self, cp, device: int, base: int, size: int) -> None:
+        self.device, self.base, self.size = device, base, size
+        self.handle = cp.cuda.runtime.ipcGetMemHandle(base)
+        self.bus_id = cp.cuda.runtime.deviceGetPCIBusId(device)
+        self.slot = ofd_lease.own_table().new_slot()
+        self.refs: dict[int, object] = {}
+        self.event = self.event_handle = None
+
+
+class _Opening:
+    """Owner of one opened IPC mapping in a consumer: its death releases the mapping."""
+
+    __slots__ = ("ptr", "device", "handle", "bus_id", "size", "table_id", "slot", "event",
+                 "event_handle", "__weakref__")
+
+
+def _new_event(cp):
+    global _events_made
+    if _events_made >= EVENT_CAP:
+        return None, None
+    try:
+        ev = cp.cuda.Event(block=False, disable_timing=True, interprocess=True)
+    except Exception:  # out of event resources: fall back to synchronizing
+        return None, None
+    _events_made += 1
+    return ev, cp.cuda.runtime.ipcGetEventHandle(ev.ptr)
+
+
+def _order(cp, holder) -> bytes | None:
+    """Record ``holder``'s interprocess event on the current stream (or synchronize)."""
+    if holder.event is None:
+        holder.event, holder.event_handle = _new_event(cp)
+    if holder.event is None:
+        cp.cuda.get_current_stream().synchronize()
+        return None
+    holder.event.record(cp.cuda.get_current_stream())
+    return holder.event_handle
+
+
+def reduce_cupy_array(arr):
+    cp = cupy()
+    if arr.size == 0:
+        bus_id = cp.cuda.runtime.deviceGetPCIBusId(arr.device.id)
+        return _rebuild_empty, (arr.shape, arr.dtype.str, bus_id)
+    mem = arr.data.mem
+    owner = getattr(mem, "_owner", None) if isinstance(mem, cp.cuda.UnownedMemory) else None
+    with cp.cuda.Device(arr.device.id):
+        if isinstance(owner, _Opening):  # forwarding what we received: same handle, same slot
+            ev = _order(cp, owner)
+            table_id, slot = owner.table_id, owner.slot
+            handle, bus_id, size, base = owner.handle, owner.bus_id, owner.size, owner.ptr
+            _reductions.keep_alive(mem)
+        else:
+            ex = export(cp, arr)
+            ev = _order(cp, ex)
+            table_id, slot = ofd_lease.own_table().id, ex.slot
+            handle, bus_id, size, base = ex.handle, ex.bus_id, ex.size, ex.base
+    lock_i = _reductions.inflight_index(table_id, slot)
+    return _rebuild_cupy_array, (bytes(handle), bus_id, size, arr.data.ptr - base, arr.shape,
+                                 arr.strides, arr.dtype.str, table_id, slot, lock_i,
+                                 None if ev is None else bytes(ev))
+
+
+def export(cp, arr) -> _Export:
+    """The export of ``arr``'s allocation, made if needed; keeps ``arr``'s memory alive."""
+    device = arr.device.id
+    base, size = cuda_ipc.address_range(arr.data.ptr)
+    with _lock:
+        ex = _exports.get((device, base))
+        if ex is None:
+            collect()
+            ex = _exports[(device, base)] = _Export(cp, device, base, size)
+        ex.refs[id(arr.data.mem)] = arr.data.mem
+    return ex
+
+
+def collect() -> int:
+    """Drop exports nobody holds any more (their memory returns to CuPy's pool)."""
+    table = ofd_lease.own_table()
+    dropped = 0
+    with _lock:
+        for key, ex in list(_exports.items()):
+            if not table.is_held(ex.slot):
+                del _exports[key]
+                dropped += 1
+    return dropped
+
+
+def _local_device(cp, bus_id: str) -> int:
+    try:
+        return cp.cuda.runtime.deviceGetByPCIBusId(bus_id)
+    except Exception:
+        import os
+        raise RuntimeError(
+            f"this array lives on the GPU at PCI bus id {bus_id}, which this process cannot "
+            f"see (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): "
+            "make that device visible to the receiving process") from None
+
+
+def _rebuild_empty(shape, dtype, bus_id):
+    cp = cupy()
+    with cp.cuda.Device(_local_device(cp, bus_id)):
+        return cp.empty(shape, dtype)
+
+
+def _release(handle: bytes, ptr: int, device: int, table_id: str, slot: int) -> None:
+    with _lock:
+        ref = _opened.get(handle)
+        if ref is not None and ref() is None:
+            del _opened[handle]
+    try:
+        import cupy as cp
+        with cp.cuda.Device(device):
+            cp.cuda.runtime.deviceSynchronize()  # our own work on the memory comes first
+            cp.cuda.runtime.ipcCloseMemHandle(ptr)
+    except Exception:  # interpreter or driver shutting down: dying releases anyway
+        pass
+    ofd_lease.release(table_id, slot)
+
+
+def _rebuild_cupy_array(handle, bus_id, size, offset, shape, strides, dtype, table_id, slot,
+                        lock_i, event_handle):
+    cp = cupy()
+    ofd_lease.adopt_table(table_id, _reductions.received_fd(lock_i))
+    device = _local_device(cp, bus_id)
+    with cp.cuda.Device(device):
+        with _lock:
+            ref = _opened.get(handle)
+            op = ref() if ref is not None else None
+            if op is None:  # opened once per process while any array uses it
+                ptr = cp.cuda.runtime.ipcOpenMemHandle(handle, _IPC_LAZY_PEER)
+                op = _Opening()
+                op.ptr, op.device, op.handle, op.bus_id, op.size = ptr, device, handle, bus_id, size
+                op.table_id, op.slot, op.event, op.event_handle = table_id, slot, None, None
+                ofd_lease.hold(table_id, slot)
+                f = weakref.finalize(op, _release, handle, ptr, device, table_id, slot)
+                f.atexit = False
+                _opened[handle] = weakref.ref(op)
+            mem = cp.cuda.UnownedMemory(op.ptr, size, op, device)
+        if event_handle is not None:
+            ev = _opened_events.get(event_handle)
+            if ev is None:
+                ev = _opened_events[event_handle] = cp.cuda.runtime.ipcOpenEventHandle(event_handle)
+            cp.cuda.runtime.streamWaitEvent(cp.cuda.get_current_stream().ptr, ev)
+        return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
+
+
+class IpcEvent:
+    """An interprocess CUDA event received from another process."""
+
+    def __init__(self, ptr: int, handle: bytes) -> None:
+        self.ptr, self.handle = ptr, handle
+
+    def record(self, stream=None) -> None:
+        cp = cupy()
+        stream = stream or cp.cuda.get_current_stream()
+        cp.cuda.runtime.eventRecord(self.ptr, stream.ptr)
+
+    def wait(self, stream=None) -> None:
+        """Make ``stream`` (default: current) wait for the event; the host does not wait."""
+        cp = cupy()
+        stream = stream or cp.cuda.get_current_stream()
+        cp.cuda.runtime.streamWaitEvent(stream.ptr, self.ptr)
+
+    def synchronize(self) -> None:
+        cupy().cuda.runtime.eventSynchronize(self.ptr)
+
+    def query(self) -> bool:
+        return cupy().cuda.runtime.eventQuery(self.ptr) == 0
+
+    def __reduce__(self):
+        return _rebuild_event, (self.handle,)
+
+
+def reduce_cupy_event(ev):
+    cp = cupy()
+    try:
+        handle = cp.cuda.runtime.ipcGetEventHandle(ev.ptr)
+    except Exception as e:
+        raise ValueError("only events made with cupy.cuda.Event(interprocess=True, "
+                         "disable_timing=True) can cross processes") from e
+    return _rebuild_event, (bytes(handle),)
+
+
+def _rebuild_event(handle: bytes) -> IpcEvent:
+    cp = cupy()
+    with _lock:
+        ptr = _opened_events.get(handle)
+        if ptr is None:
+            ptr = _opened_events[handle] = cp.cuda.runtime.ipcOpenEventHandle(handle)
+    return IpcEvent(ptr, handle)
+
+
+def exports() -> list[dict]:
+    """The exports this process keeps for other processes (for leak checks and debugging)."""
+    table = ofd_lease.own_table() if _exports else None
+    with _lock:
+        return [{"device": ex.device, "base": ex.base, "size": ex.size, "slot": ex.slot,
+                 "held": table.is_held(ex.slot)} for ex in _exports.values()]
+
+
+def stats() -> dict[str, int]:
+    with _lock:
+        live = [r() for r in _opened.values()]
+        return {"cuda_exports": len(_exports), "cuda_bytes_exported": sum(e.size for e in _exports.values()),
+                "cuda_opened": sum(1 for m in live if m is not None),
+                "cuda_events": _events_made}

@@ -1,0 +1,137 @@
+"""Process targets for the CUDA tests (spawned children import this)."""
+
+import os
+import signal
+import time
+
+import numpy as np
+
+
+def cp():
+    import cupy
+    return cupy
+
+
+def simple_fill(queue, event):
+    data = queue.get()
+    data[0][:] = 4
+    cp().cuda.get_current_stream().synchronize()
+    event.set()
+
+
+def send_array(queue, event, dtype):
+    t = cp().ones((5, 5), dtype=dtype)
+    queue.put(t)
+    queue.put(t)
+    event.wait(60)
+
+
+def send_and_delete(queue, event, dtype, count, size=5):
+    for i in range(count):
+        t = cp().full([size], i, dtype=dtype)
+        queue.put(t)
+        del t
+    event.wait(120)
+
+
+def receive_and_send_sum(queue, out_queue, event, dtype, count, size=5):
+    s = cp().zeros([size], dtype=dtype)
+    for _ in range(count):
+        s += queue.get()
+    out_queue.put(s)
+    event.wait(120)
+
+
+def receive_and_send(queue, out_queue, event, count):
+    for _ in range(count):
+        t = queue.get()
+        out_queue.put(t.copy())
+    event.wait(120)
+
+
+def forward(queue, out_queue, event):
+    t = queue.get()
+    out_queue.put(t)  # the very array received: forwarded, not copied
+    del t
+    event.wait(60)
+
+
+def hold_and_report(queue, out, event):
+    t = queue.get()
+    out.put(float(t.sum()))
+    event.wait(60)
+    del t
+
+
+def hold_until_killed(queue, out):
+    t = queue.get()
+    out.put(float(t.sum()))
+    time.sleep(600)
+
+
+def actor(queue, iterations):
+    for _ in range(iterations):
+        if not queue.empty():
+            queue.get()
+        time.sleep(0.01)
+
+
+def learner(queue, iterations):
+    import copy
+    state = {"w": cp().ones((64, 64)), "b": cp().zeros(64)}
+    for _ in range(iterations):
+        if not queue.full():
+            queue.put(copy.deepcopy(state))
+        time.sleep(0.01)
+
+
+def mixed_type_producer(queue, event):
+    for _ in range(10):
+        queue.put(cp().ones((2, 2), dtype=np.float32))
+        queue.put(cp().zeros((2, 2), dtype=np.uint8))
+        event.wait(60)
+        event.clear()
+
+
+def multiply_two(queue, ready, done):
+    ready.set()
+    with cp().cuda.Stream():
+        event, tensor = queue.get()
+        event.wait()
+        tensor *= 2
+        event.record()
+        done.set()
+
+
+def sum_on_device1(inq, outq):
+    with cp().cuda.Device(1):
+        arrays = inq.get()
+        for a in arrays:
+            outq.put((float(a.sum()), a.device.id, a.size))
+
+
+def bad_fork_child(queue, out):
+    import shmtensor.cuda
+    msgs = []
+    for attempt in (queue.get, shmtensor.cuda.ipc_collect):
+        try:
+            attempt()
+            msgs.append("no exception")
+        except RuntimeError as e:
+            msgs.append(str(e))
+    out.put(msgs)
+
+
+def slow_writer(queue, value, cycles):
+    """Launch a kernel that spins, then writes, and send the array without host sync."""
+    kernel = cp().RawKernel(r'''
+    extern "C" __global__ void slow_fill(float* x, int n, float v, long long cycles) {
+        long long start = clock64();
+        while (clock64() - start < cycles) { }
+        int i = blockIdx.x * blockDim.x + threadIdx.x;
+        if (i < n) x[i] = v;
+    }''', "slow_fill")
+    a = cp().zeros(1024, dtype=np.float32)
+    kernel((4,), (256,), (a, np.int32(1024), np.float32(value), np.int64(cycles)))
+    queue.put(a)  # no synchronize: ordering comes from the interprocess event
+    time.sleep(30)

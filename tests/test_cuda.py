@@ -1,0 +1,241 @@
+"""CUDA sharing (the CUDA issue).  Needs CuPy and a GPU: skipped cleanly elsewhere."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import shmtensor
+import shmtensor.cuda
+import shmtensor.multiprocessing as smp
+
+import cuda_helpers as ch
+from conftest import JOIN, join_all
+
+pytestmark = [pytest.mark.requires_cuda,
+              pytest.mark.skipif(not shmtensor.cuda.is_available(),
+                                 reason="needs CuPy and a visible CUDA device")]
+
+
+@pytest.fixture
+def cp():
+    import cupy
+    cupy.zeros(1)  # initialise CUDA outside the leak checks, as the seed does
+    return cupy
+
+
+@pytest.fixture
+def ctx():
+    return smp.get_context("spawn")
+
+
+def test_cuda_simple_fill_and_receive(cp, ctx, lc):
+    x = cp.zeros((5, 5), dtype=cp.float32)
+    q, e = ctx.Queue(), ctx.Event()
+    data = [x, x[:, 1]]
+    q.put(data)
+    p = ctx.Process(target=ch.simple_fill, args=(q, e))
+    p.start()
+    assert e.wait(JOIN)
+    assert bool((data[0] == 4).all()) and bool((data[1] == 4).all())
+    join_all(p)
+    q, e = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=ch.send_array, args=(q, e, np.float32))
+    p.start()
+    t1, t2 = q.get(timeout=JOIN), q.get(timeout=JOIN)
+    assert bool((t1 == 1).all()) and t1.data.ptr == t2.data.ptr
+    del t1, t2
+    e.set()
+    join_all(p)
+    shmtensor.cuda.ipc_collect()
+
+
+def test_cuda_memory_allocation(cp, ctx, lc):
+    q, e = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=ch.send_and_delete, args=(q, e, np.int32, 5))
+    p.start()
+    t = [q.get(timeout=JOIN) for _ in range(5)]
+    assert bool((t[0] == 0).all()) and int(t[4][0]) == 4
+    del t
+    e.set()
+    join_all(p)
+
+
+def test_cuda_ipc_deadlock(cp, ctx, lc):
+    q = ctx.Queue(1)
+    procs = [ctx.Process(target=ch.actor, args=(q, 100)),
+             ctx.Process(target=ch.learner, args=(q, 100))]
+    for p in procs:
+        p.start()
+    join_all(*procs)
+    assert all(p.exitcode == 0 for p in procs)
+    q.close()
+    q.join_thread()
+
+
+def test_cuda_send_many(cp, ctx, lc, count=10_000):
+    q1, q2, q3 = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    e1, e2, e3 = ctx.Event(), ctx.Event(), ctx.Event()
+    p1 = ctx.Process(target=ch.send_and_delete, args=(q1, e1, np.int64, count, 5))
+    p2 = ctx.Process(target=ch.receive_and_send, args=(q1, q2, e2, count))
+    p3 = ctx.Process(target=ch.receive_and_send_sum, args=(q2, q3, e3, np.int64, count, 5))
+    for p in (p1, p2, p3):
+        p.start()
+    result = q3.get(timeout=600)
+    assert int(result[0]) == count * (count - 1) // 2
+    del result
+    for e in (e1, e2, e3):
+        e.set()
+    join_all(p1, p2, p3)
+
+
+@pytest.mark.skipif(shmtensor.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_small_arrays_two_gpus(cp, ctx, lc):
+    arrays = []
+    for i in range(5):
+        with cp.cuda.Device(i % 2):
+            arrays.append(cp.arange(i * 5.0, (i + 1) * 5))
+    inq, outq = ctx.Queue(), ctx.Queue()
+    inq.put(arrays)
+    p = ctx.Process(target=ch.sum_on_device1, args=(inq, outq))
+    p.start()
+    results = [outq.get(timeout=JOIN) for _ in range(5)]
+    join_all(p)
+    for i, (s, device, size) in enumerate(results):
+        assert s == float(arrays[i].sum()) and device == i % 2 and size == 5
+    del arrays
+
+
+def test_cuda_event_exporter(cp, ctx, lc):
+    q, ready, done = ctx.Queue(), ctx.Event(), ctx.Event()
+    p = ctx.Process(target=ch.multiply_two, args=(q, ready, done))
+    p.start()
+    ready.wait(JOIN)
+    with cp.cuda.Stream() as s:
+        tensor = cp.ones((1024, 1024), dtype=cp.float32)
+        event = cp.cuda.Event(interprocess=True, disable_timing=True)
+        event.record(s)
+        q.put((event, tensor))
+        done.wait(JOIN)
+        event.synchronize()  # the child recorded the event after its multiply
+        assert bool((tensor == 2).all())
+    join_all(p)
+    del tensor, event
+
+
+def test_cuda_empty_and_mixed_dtypes(cp, ctx, lc):
+    q = ctx.Queue()
+    q.put([cp.empty(0), cp.empty((0, 3), dtype=cp.int8), cp.arange(4, dtype=cp.int16)])
+    a, b, c = q.get(timeout=JOIN)
+    assert a.shape == (0,) and b.shape == (0, 3) and b.dtype == cp.int8
+    assert c.dtype == cp.int16 and int(c.sum()) == 6
+    del a, b, c
+    e = ctx.Event()
+    p = ctx.Process(target=ch.mixed_type_producer, args=(q, e))
+    p.start()
+    for _ in range(10):
+        f, b = q.get(timeout=JOIN), q.get(timeout=JOIN)
+        assert f.dtype == cp.float32 and bool((f == 1).all())
+        assert b.dtype == cp.uint8 and bool((b == 0).all())
+        del f, b
+        e.set()
+    join_all(p)
+
+
+def test_cuda_bad_fork_error(cp):
+    fork = smp.get_context("fork")
+    q, out = fork.Queue(), fork.Queue()
+    q.put(cp.zeros(3))
+    p = fork.Process(target=ch.bad_fork_child, args=(q, out))
+    p.start()
+    msgs = out.get(timeout=JOIN)
+    join_all(p)
+    for msg in msgs:
+        assert "Cannot re-initialize CUDA in forked subprocess" in msg
+        assert "spawn or forkserver" in msg
+
+
+def test_cuda_stream_ordering_without_host_sync(cp, ctx, lc):
+    q = ctx.Queue()
+    p = ctx.Process(target=ch.slow_writer, args=(q, 7.0, 2_000_000_000))
+    p.start()
+    a = q.get(timeout=JOIN)
+    # the writer's kernel spins ~1 s; our stream waits on its event, the host did not
+    assert bool((a == 7.0).all())
+    del a
+    p.terminate()
+    join_all(p)
+
+
+def test_cuda_no_reuse_before_consumer_release(cp, ctx, lc):
+    q, out, e = ctx.Queue(), ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=ch.hold_and_report, args=(q, out, e))
+    p.start()
+    a = cp.full(1 << 20, 3.0, dtype=cp.float32)
+    ptr = a.data.ptr
+    q.put(a)
+    assert out.get(timeout=JOIN) == float(3 << 20)
+    del a
+    b = cp.zeros(1 << 20, dtype=cp.float32)  # CuPy's pool would hand back the same block
+    assert b.data.ptr != ptr  # ...but the export keeps it while the consumer holds it
+    assert shmtensor.cuda.exports() and shmtensor.cuda.exports()[0]["held"]
+    e.set()
+    join_all(p)
+    deadline = time.monotonic() + 10
+    while shmtensor.cuda.ipc_collect() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not shmtensor.cuda.exports()
+    del b
+
+
+def test_cuda_consumer_sigkill_then_producer_reclaims(cp, ctx, lc):
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=ch.hold_until_killed, args=(q, out))
+    p.start()
+    a = cp.ones(1000)
+    q.put(a)
+    assert out.get(timeout=JOIN) == 1000.0
+    del a
+    assert shmtensor.cuda.ipc_collect() == 0  # held by the live consumer
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(JOIN)
+    deadline = time.monotonic() + 10
+    while shmtensor.cuda.exports() and time.monotonic() < deadline:
+        shmtensor.cuda.ipc_collect()
+        time.sleep(0.05)
+    assert not shmtensor.cuda.exports()
+
+
+def test_cuda_forwarding_through_three_processes(cp, ctx, lc):
+    q1, q2, out, e1, e2 = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    p2 = ctx.Process(target=ch.forward, args=(q1, q2, e1))
+    p3 = ctx.Process(target=ch.hold_and_report, args=(q2, out, e2))
+    p2.start()
+    p3.start()
+    a = cp.arange(1000, dtype=cp.float64)
+    q1.put(a)
+    assert out.get(timeout=JOIN) == float(sum(range(1000)))
+    del a
+    e1.set()
+    join_all(p2)  # the forwarder is gone; the third process still holds the memory
+    assert shmtensor.cuda.ipc_collect() == 0 and shmtensor.cuda.exports()[0]["held"]
+    e2.set()
+    join_all(p3)
+    deadline = time.monotonic() + 10
+    while shmtensor.cuda.exports() and time.monotonic() < deadline:
+        shmtensor.cuda.ipc_collect()
+        time.sleep(0.05)
+    assert not shmtensor.cuda.exports()
+
+
+def test_importing_shmtensor_does_not_initialise_cuda():
+    import subprocess
+    import sys
+    code = ("import shmtensor, shmtensor.cuda, shmtensor.multiprocessing, sys; "
+            "n = shmtensor.cuda.device_count(); "
+            "from ipc import cuda_ipc; print(n, cuda_ipc.cuda_initialized(), 'cupy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60).stdout.split()
+    assert int(out[0]) >= 1 and out[1] == "False" and out[2] == "False"
