@@ -1,26 +1,16 @@
-"""shmtensor beside its peers, in one run: per-array transfer times and target ratios.
+"""The core table: per-array transfer times of shmtensor beside its peers, and the targets.
 
-Usage: ``scripts/bench [--quick] [--out DIR]``.  A spawned child produces arrays, the parent
-consumes them and times steady-state ``get()``s (see :mod:`benchmarks._harness`); every
-queue peer goes through the same harness.  Prints a table and the targets' verdicts, writes
-``DIR/results.json`` and, with matplotlib, ``DIR/plot.png``.
+A spawned child produces arrays, the parent consumes them and times steady-state
+``get()``s (see :mod:`benchmarks._harness`); every queue peer goes through the same
+harness.  :mod:`benchmarks.run` runs this and the other sections and writes the results.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import importlib
-import os
-import platform
 import sys
 import time
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
-
-import numpy as np
-import psutil
 
 import shmtensor as st
 
@@ -77,31 +67,6 @@ QUICK = Settings((KB, MB, 256 * MB), (KB, MB, GB), sessions=1, rounds=3, max_n=1
 def warmup(n: int) -> int:
     """Untimed items before the first round: enough to start up and fill the pipeline."""
     return max(2, min(20, n // 10))
-
-
-def available(module: str) -> str | None:
-    """The module's version when it imports, else None."""
-    try:
-        return importlib.import_module(module).__version__
-    except (ImportError, OSError):  # OSError: a wheel whose shared libraries do not load
-        return None
-
-
-def machine_info(quick: bool) -> dict:
-    """What the numbers were measured on (and with), for results.json."""
-    return {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "memory_bytes": psutil.virtual_memory().total,
-        "numpy": np.__version__,
-        "shmtensor": st.__version__,
-        "torch": available("torch"),
-        "joblib": available("joblib"),
-        "quick": quick,
-        "load_average_at_start": os.getloadavg()[0],
-    }
 
 
 def progress(result: dict, wall: float) -> None:
@@ -200,15 +165,6 @@ def recycling(results: list[dict]) -> dict | None:
     return None
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="scripts/bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="fewer sizes and repeats: a smoke run of about a minute")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"),
-                        help="where results.json and plot.png go (default: bench-results/)")
-    return parser.parse_args(argv)
-
-
 def print_report(settings: Settings, machine: dict, results: list[dict], targets: list[dict],
                  counters: dict | None) -> None:
     print(f"\nshmtensor {st.__version__} beside its peers (Python {machine['python']}, "
@@ -221,41 +177,3 @@ def print_report(settings: Settings, machine: dict, results: list[dict], targets
     if counters is not None:
         print("\nshmtensor producer counters, 256 MB not shared (after warm-up and all rounds):")
         print("  " + ", ".join(f"{k}={v}" for k, v in counters.items()))
-
-
-def save(out: Path, machine: dict, results: list[dict], targets: list[dict],
-         counters: dict | None) -> None:
-    """Write results.json and, when matplotlib imports, plot.png."""
-    out.mkdir(parents=True, exist_ok=True)
-    rows = [without_info(r) for r in results]
-    _report.write_json(out / "results.json", machine=machine, results=rows, targets=targets,
-                       recycling_256mb=counters)
-    title = (f"shmtensor {st.__version__}: time per array "
-             f"({machine['cpus']} CPUs, Python {machine['python']})")
-    if _report.plot(out / "plot.png", rows, title):
-        print(f"\nwrote {out / 'results.json'} and {out / 'plot.png'}")
-    else:
-        print(f"\nwrote {out / 'results.json'} (no plot: matplotlib is not installed)")
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    machine = machine_info(args.quick)
-    for module in ("torch", "joblib"):
-        if machine[module] is None:
-            print(f"{module} is not importable: its rows are skipped", file=sys.stderr)
-    if machine["load_average_at_start"] > 0.5:
-        print(f"note: load average {machine['load_average_at_start']:.2f} at start: other work "
-              "on this machine skews the numbers", file=sys.stderr)
-    print("measuring (scenario, size, peer, per array):", file=sys.stderr)
-    settings = QUICK if args.quick else FULL
-    results = run_all(settings, machine["torch"] is not None, machine["joblib"] is not None)
-    targets = evaluate_targets(results)
-    counters = recycling(results)
-    print_report(settings, machine, results, targets, counters)
-    save(args.out, machine, results, targets, counters)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

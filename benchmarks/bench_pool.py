@@ -88,6 +88,7 @@ def shmtensor_times(arrays: list[np.ndarray], rounds: int) -> dict:
     """One shmtensor pool: the plain arrays, then shared copies of them (freed after)."""
     with smp.get_context("spawn").Pool(WORKERS) as pool:
         times = {SHM_PLAIN: map_all(pool, arrays, SHM_PLAIN, rounds)}
+        st.empty_cache()  # the idle segments the plain arrays were copied into
         shared = [st.share_memory(a) for a in arrays]
         times[SHM_SHARED] = map_all(pool, shared, SHM_SHARED, rounds)
         del shared

@@ -90,7 +90,7 @@ def run(settings: Settings) -> Section:
     ratios = segment_over_inline(results)
     default = st.get_inline_threshold()
     cross = crossover(ratios)
-    note = (f"measured crossover ~{size_label(cross)}; default threshold "
+    note = (f"measured crossover ~{cross // KB} KB (interpolated); default threshold "
             f"{size_label(default)}" if cross else
             f"no single crossover in the sweep; default threshold {size_label(default)}")
     return Section(
@@ -98,6 +98,7 @@ def run(settings: Settings) -> Section:
         title="inline threshold sweep: not-shared arrays, per array (queue harness)",
         table=sweep_table(results, ratios),
         targets=sweep_targets(ratios, default),
-        data={"results": [without_info(r) for r in results], "segment_over_inline": {str(k): v for k, v in ratios.items()},
+        data={"results": [without_info(r) for r in results],
+              "segment_over_inline": {str(k): v for k, v in ratios.items()},
               "crossover_bytes": cross, "default_threshold_bytes": default},
         notes=[note])

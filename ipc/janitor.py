@@ -14,18 +14,15 @@ creator is dead and which no live process maps.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
 
 from . import posix_shm
-
-_FLOCK = struct.Struct("hhqqi4x")
+from .ofd_lease import probe_held
 
 _sock: socket.socket | None = None
 _proc: subprocess.Popen | None = None
@@ -86,11 +83,6 @@ def after_fork_in_child() -> None:
     _proc = None
 
 
-def _held(probe_fd: int, slot: int) -> bool:
-    res = fcntl.fcntl(probe_fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, 0, slot, 1, 0))
-    return _FLOCK.unpack(res)[0] != fcntl.F_UNLCK
-
-
 def running_janitors() -> dict[int, int]:
     """Creator pid -> pid of its live janitor, for every janitor on this machine."""
     import psutil
@@ -123,7 +115,7 @@ def _main(sock_fd: int, lease_fd: int) -> None:
     delay = 0.05
     while names:
         for name, slot in list(names.items()):
-            if not os.path.exists(os.path.join(posix_shm.SHM_DIR, name)) or not _held(probe, slot):
+            if not os.path.exists(os.path.join(posix_shm.SHM_DIR, name)) or not probe_held(probe, slot):
                 posix_shm.unlink_named(name)
                 del names[name]
         if names:

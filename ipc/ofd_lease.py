@@ -30,7 +30,7 @@ import threading
 from .posix_shm import PREFIX, process_tag
 
 __all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "holdings", "hold", "release",
-           "inflight_fd", "forget_idle", "adopt_table", "table_count", "after_fork_in_child"]
+           "inflight_fd", "forget_idle", "probe_held", "before_fork", "after_fork_in_parent", "adopt_table", "table_count", "after_fork_in_child"]
 
 HAVE_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64 and aarch64
@@ -42,6 +42,12 @@ def _reopen(fd: int) -> int:
 
 def _setlk(fd: int, kind: int, slot: int) -> None:
     fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, slot, 1, 0))
+
+
+def probe_held(fd: int, slot: int) -> bool:
+    """True while any description but ``fd``'s own holds ``slot`` of the table ``fd`` is of."""
+    res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, slot, 1, 0))
+    return _FLOCK.unpack(res)[0] != fcntl.F_UNLCK
 
 
 class LeaseTable:
@@ -61,9 +67,7 @@ class LeaseTable:
 
     def is_held(self, slot: int) -> bool:
         """True while any process, this one included, holds ``slot`` or a message carries it."""
-        res = fcntl.fcntl(self._probe, fcntl.F_OFD_GETLK,
-                          _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, slot, 1, 0))
-        return _FLOCK.unpack(res)[0] != fcntl.F_UNLCK
+        return probe_held(self._probe, slot)
 
     def close(self) -> None:
         for fd in (self._probe, self.fd):
@@ -76,13 +80,15 @@ class LeaseTable:
 class _Holding:
     """This process's one description of a table, and how many holds it has on each slot."""
 
-    __slots__ = ("table_id", "fd", "counts", "lock")
+    __slots__ = ("table_id", "fd", "counts", "lock", "fork_fd")
 
     def __init__(self, table_id: str, fd: int) -> None:
         self.table_id = table_id
-        self.fd = fd
+        self.fd = fd  # -1 once forgotten (forget_idle): hold() then adopts anew
         self.counts: dict[int, int] = {}
-        self.lock = threading.Lock()
+        # Re-entrant: a finalizer releasing a hold may run inside hold() (a GC pass).
+        self.lock = threading.RLock()
+        self.fork_fd = -1
 
 
 _own: LeaseTable | None = None
@@ -116,13 +122,23 @@ def adopt_table(table_id: str, fd: int) -> _Holding:
     return h
 
 
-def hold(table_id: str, slot: int) -> None:
-    h = _holdings[table_id]
-    with h.lock:
-        n = h.counts.get(slot, 0)
-        if n == 0:
-            _setlk(h.fd, fcntl.F_RDLCK, slot)
-        h.counts[slot] = n + 1
+def hold(table_id: str, slot: int, fd_source: int | None = None) -> None:
+    """Hold ``slot`` of ``table_id`` through this process's description of it (made from
+    ``fd_source`` if this process has none, e.g. after :func:`forget_idle`)."""
+    while True:
+        h = _holdings.get(table_id)
+        if h is None:
+            if fd_source is None:
+                raise KeyError(f"no description of lease table {table_id} in this process")
+            h = adopt_table(table_id, fd_source)
+        with h.lock:
+            if h.fd < 0:  # forgotten meanwhile: adopt again
+                continue
+            n = h.counts.get(slot, 0)
+            if n == 0:
+                _setlk(h.fd, fcntl.F_RDLCK, slot)
+            h.counts[slot] = n + 1
+            return
 
 
 def release(table_id: str, slot: int) -> None:
@@ -144,7 +160,8 @@ def release(table_id: str, slot: int) -> None:
 
 def inflight_fd(table_id: str, slots) -> int:
     """A new description of ``table_id`` with ``slots`` read-locked, to travel with a message."""
-    fd = _reopen(_holdings[table_id].fd)
+    h = _holdings[table_id]
+    fd = _reopen(h.fd)
     try:
         for slot in slots:
             _setlk(fd, fcntl.F_RDLCK, slot)
@@ -165,8 +182,9 @@ def forget_idle() -> int:
                 if h.counts:
                     continue
                 del _holdings[tid]
+                fd, h.fd = h.fd, -1
                 try:
-                    os.close(h.fd)
+                    os.close(fd)
                 except OSError:
                     pass
                 closed += 1
@@ -185,23 +203,43 @@ def table_count() -> int:
     return len(_holdings)
 
 
+def before_fork() -> None:
+    """Lock, in fresh descriptions, every slot held now: the child gets them at once, so
+    no moment passes in which its inherited views are unprotected."""
+    _registry_lock.acquire()
+    for h in _holdings.values():
+        h.lock.acquire()
+        try:
+            h.fork_fd = inflight_fd(h.table_id, list(h.counts)) if h.fd >= 0 else -1
+        except OSError:
+            h.fork_fd = -1
+
+
+def after_fork_in_parent() -> None:
+    for h in _holdings.values():
+        if h.fork_fd >= 0:
+            os.close(h.fork_fd)
+            h.fork_fd = -1
+        h.lock.release()
+    _registry_lock.release()
+
+
 def after_fork_in_child() -> None:
-    """Give the child descriptions of its own: the parent's locks must not move with ours."""
+    """Adopt the descriptions made before the fork: the parent's locks stay the parent's."""
     global _own, _registry_lock
     _registry_lock = threading.Lock()
     if _own is not None:
         _own.close()
         _own = None  # the parent's table: the child allocates slots in a table of its own
-    for h in list(_holdings.values()):
-        old = h.fd
-        h.lock = threading.Lock()
-        try:
-            h.fd = _reopen(old)
-            for slot in h.counts:
-                _setlk(h.fd, fcntl.F_RDLCK, slot)
-        except OSError:
-            h.counts.clear()
-        try:
+    for tid, h in list(_holdings.items()):
+        old, h.fd, h.fork_fd = h.fd, h.fork_fd, -1
+        h.lock = threading.RLock()
+        if old >= 0:
             os.close(old)
-        except OSError:
-            pass
+        if h.fd < 0:
+            if h.counts:
+                import warnings
+                warnings.warn(f"shmtensor: could not keep this child's holds on lease table "
+                              f"{tid} across fork; its inherited shared arrays may be reused "
+                              "by their creator", RuntimeWarning)
+            del _holdings[tid]

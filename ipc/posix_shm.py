@@ -26,7 +26,7 @@ import shutil
 import sys
 
 __all__ = [
-    "PREFIX", "SHM_DIR", "HAVE_MEMFD", "ShmSpaceError", "process_tag", "segment_name",
+    "PREFIX", "SHM_DIR", "HAVE_MEMFD", "ShmSpaceError", "process_tag", "segment_name", "segment_key",
     "parse_name", "create_memfd", "create_named", "open_named", "unlink_named", "map_fd", "Mapping",
 ]
 
@@ -63,13 +63,17 @@ def segment_name(serial: int | str) -> str:
     return f"{PREFIX}_{process_tag()}_{serial}"
 
 
-def parse_name(name: str) -> tuple[int, str, str] | None:
-    """``(creator_pid, token, serial)`` of a shmtensor name, or None for any other name."""
-    name = name.rsplit("/", 1)[-1]
+def segment_key(path: str) -> str:
+    """The bare name in ``/dev/shm/NAME`` or ``/memfd:NAME (deleted)`` (as /proc shows them)."""
+    name = path.rsplit("/", 1)[-1]
     if name.startswith("memfd:"):
         name = name[len("memfd:"):]
-    name = name.split(" ", 1)[0]
-    parts = name.split("_")
+    return name.split(" ", 1)[0]
+
+
+def parse_name(name: str) -> tuple[int, str, str] | None:
+    """``(creator_pid, token, serial)`` of a shmtensor name, or None for any other name."""
+    parts = segment_key(name).split("_")
     if len(parts) != 4 or parts[0] != PREFIX or not parts[1].isdigit():
         return None
     return int(parts[1]), parts[2], parts[3]

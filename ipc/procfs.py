@@ -24,11 +24,8 @@ class SegmentUse:
 
 
 def _segment_key(path: str) -> str | None:
-    base = path.rsplit("/", 1)[-1]
-    if base.startswith("memfd:"):
-        base = base[len("memfd:"):]
-    base = base.split(" ", 1)[0]
-    return base if posix_shm.parse_name(base) is not None else None
+    key = posix_shm.segment_key(path)
+    return key if posix_shm.parse_name(key) is not None else None
 
 
 def scan() -> dict[str, SegmentUse]:

@@ -69,24 +69,22 @@ def _sendall_msg(sock, buf, fds):
         sock.sendall(buf[sent:])
 
 
-def _collect(ancdata, flags, fds: list) -> None:
+def _collect(ancdata, flags, fds: list) -> bool:
+    """Add the fds of ``ancdata`` to ``fds``; False when some were dropped (MSG_CTRUNC)."""
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             got = array.array("i")
             got.frombytes(payload[:len(payload) - len(payload) % got.itemsize])
             fds.extend(got)
-    if flags & socket.MSG_CTRUNC:
-        for fd in fds:
-            _close_quietly(fd)
-        raise OSError("file descriptors were dropped in transit (MSG_CTRUNC): this process hit "
-                      "its open-file limit; raise it (ulimit -n) or hold fewer segments open")
+    return not flags & socket.MSG_CTRUNC
 
 
-def _recv_exact_msg(sock, size: int, fds: list) -> bytes:
+def _recv_exact_msg(sock, size: int, fds: list, dropped: list) -> bytes:
     chunks = []
     while size:
         data, ancdata, flags, _ = sock.recvmsg(size, _ANC_SIZE)
-        _collect(ancdata, flags, fds)
+        if not _collect(ancdata, flags, fds):
+            dropped.append(True)
         if not data:
             for fd in fds:
                 _close_quietly(fd)
@@ -99,18 +97,21 @@ def _recv_exact_msg(sock, size: int, fds: list) -> bytes:
 def recv_frame(sock: socket.socket) -> tuple[bytearray, list[int]]:
     """Receive one frame: ``(payload, fds)``; the caller owns (and must close) the fds."""
     fds: list[int] = []
-    (code,) = _SMALL.unpack(_recv_exact_msg(sock, 4, fds))
+    dropped: list = []
+    (code,) = _SMALL.unpack(_recv_exact_msg(sock, 4, fds, dropped))
     nfds = 0
     if code >= 0:
         n = code
     elif code == -1:
-        (n,) = _Q.unpack(_recv_exact_msg(sock, 8, fds))
+        (n,) = _Q.unpack(_recv_exact_msg(sock, 8, fds, dropped))
     elif code == -2:
-        n, nfds = _QI.unpack(_recv_exact_msg(sock, 12, fds))
+        n, nfds = _QI.unpack(_recv_exact_msg(sock, 12, fds, dropped))
     else:
+        for fd in fds:
+            _close_quietly(fd)
         raise OSError(f"bad frame header {code}: the peer does not speak this protocol")
-    while len(fds) < nfds:
-        _recv_exact_msg(sock, 1, fds)
+    for _ in range(-(-(nfds - MAX_FDS) // MAX_FDS) if nfds > MAX_FDS else 0):
+        _recv_exact_msg(sock, 1, fds, dropped)
     buf = bytearray(n)
     view = memoryview(buf)
     pos = 0
@@ -124,6 +125,12 @@ def recv_frame(sock: socket.socket) -> tuple[bytearray, list[int]]:
         for fd in fds:
             _close_quietly(fd)
         raise
+    if dropped or len(fds) != nfds:
+        for fd in fds:  # the whole frame was read: the channel stays usable
+            _close_quietly(fd)
+        raise OSError("file descriptors were dropped in transit (MSG_CTRUNC): this process hit "
+                      "its open-file limit; raise it (ulimit -n) or hold fewer arrays from "
+                      "different producers; the message was discarded")
     return buf, fds
 
 

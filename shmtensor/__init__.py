@@ -55,10 +55,13 @@ def debug_info() -> dict[str, int]:
 
 
 def _after_fork_in_child() -> None:
+    _stats.after_fork_in_child()
     _ofd_lease.after_fork_in_child()
     _janitor.after_fork_in_child()
     _segments.after_fork_in_child()
     _recycler.after_fork_in_child()
 
 
-_os.register_at_fork(after_in_child=_after_fork_in_child)
+_os.register_at_fork(before=_ofd_lease.before_fork,
+                     after_in_parent=_ofd_lease.after_fork_in_parent,
+                     after_in_child=_after_fork_in_child)

@@ -10,6 +10,7 @@ consumer that held it has died.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -37,6 +38,7 @@ class BatchPool:
             seg.pinned = True
             self._segments.append(seg)
         self._next = 0
+        self._pid = os.getpid()
 
     @property
     def slots(self) -> int:
@@ -49,6 +51,10 @@ class BatchPool:
         """A free slot as an array (its old contents), or None when every slot is out."""
         if not self._segments:
             raise ValueError("this BatchPool is closed")
+        if os.getpid() != self._pid:
+            raise RuntimeError("this BatchPool was made in another process (pid "
+                               f"{self._pid}): create the BatchPool inside the worker that "
+                               "fills it")
         n = len(self._segments)
         for i in range(n):
             seg = self._segments[(self._next + i) % n]

@@ -58,17 +58,21 @@ def acquire(nbytes: int, kind: str) -> _segments.Segment:
     with _lock:
         probed = scanned = 0
         for cls in (need.bit_length(), need.bit_length() + 1):
-            for seg in _buckets.get(cls, {}).values():
+            bucket = _buckets.get(cls)
+            if not bucket:
+                continue
+            for seg in list(islice(bucket.values(), _SCAN_LIMIT)):  # a snapshot: finalizers may edit
                 scanned += 1
                 if scanned > _SCAN_LIMIT or probed >= _PROBE_LIMIT:
                     break
-                if seg.kind != kind or not _fits(seg.size, need):
+                if seg.kind != kind or not _fits(seg.size, need) or bucket.get(seg.key) is not seg:
                     continue
                 probed += 1
                 if not table.is_held(seg.slot):
                     _take(seg)
                     _stats.bump("segments_recycled")
                     return seg
+                bucket.move_to_end(seg.key)  # held for long: look at the others first next time
     trim()
     return _create(need, kind, table)
 
@@ -179,7 +183,10 @@ def trim(force: bool = False) -> int:
             old = now - seg.idle_since > IDLE_SECONDS[seg.kind]
             if not (force or old or _idle_bytes > IDLE_BYTES):
                 break  # oldest first: the rest are younger
-            if seg.alive() or table.is_held(seg.slot):
+            if seg.alive() or _idle.get(seg.key) is not seg:
+                continue
+            if table.is_held(seg.slot):
+                _idle.move_to_end(seg.key)  # still held elsewhere: let the scan reach others
                 continue
             _take(seg)
             freed += seg.size

@@ -254,15 +254,13 @@ def loads(data, fds: list[int]):
 
 
 def _rebuild_segment(key, kind, size, table_id, slot, data_i, lock_i):
-    ofd_lease.adopt_table(table_id, received_fd(lock_i))
+    lease_fd = received_fd(lock_i)
     ctx: _RecvContext = _local.recv
-    seg = _segments.lookup(key)
-    if seg is None:
-        seg, took = _segments.attach(key, kind, size, table_id, slot,
-                                     ctx.fds[data_i] if data_i >= 0 else None)
-        if took:
-            ctx.fds[data_i] = -1
-    return seg.anchor()
+    anchor, took = _segments.receive(key, kind, size, table_id, slot,
+                                     ctx.fds[data_i] if data_i >= 0 else None, lease_fd)
+    if took:
+        ctx.fds[data_i] = -1
+    return anchor
 
 
 def _rebuild_array(anchor, offset, shape, strides, dtype, readonly):

@@ -37,16 +37,19 @@ class Segment:
     __slots__ = ("key", "kind", "size", "table_id", "slot", "own", "mm", "fd", "address",
                  "_anchor", "idle_since", "pinned", "__weakref__")
 
-    def anchor(self) -> np.ndarray:
-        """The live anchor (made, and the lease held, if none is alive)."""
+    def anchor(self, lease_fd: int | None = None) -> np.ndarray:
+        """The live anchor (made, and the lease held, if none is alive).  ``lease_fd``: a
+        description of the segment's lease table, for a process that has none yet."""
         ref = self._anchor
         a = ref() if ref is not None else None
         if a is None:
             with _lock:
                 a = self._anchor() if self._anchor is not None else None
                 if a is None:
-                    ofd_lease.hold(self.table_id, self.slot)
+                    if self.mm is None:
+                        raise LookupError(f"segment {self.key} was unmapped here")
                     a = np.frombuffer(self.mm.buffer, np.uint8, count=self.size)
+                    ofd_lease.hold(self.table_id, self.slot, lease_fd)
                     self._anchor = weakref.ref(a)
                     f = weakref.finalize(a, _anchor_died, self)
                     f.atexit = False
@@ -68,8 +71,10 @@ class Segment:
             self.mm = None
         if self.fd is not None:
             _close_fd(self)
-        _by_key.pop(self.key, None)
-        _idle.pop(self.key, None)
+        if _by_key.get(self.key) is self:
+            del _by_key[self.key]
+        if _idle.get(self.key) is self:
+            del _idle[self.key]
 
 
 def _close_fd(seg: Segment) -> None:
@@ -108,7 +113,7 @@ def _anchor_died(seg: Segment) -> None:
             _own_idle_hook(seg)
     else:
         with _lock:
-            if seg.key in _by_key and not seg.alive():
+            if _by_key.get(seg.key) is seg and not seg.alive():
                 _idle[seg.key] = seg
                 _idle.move_to_end(seg.key)
         evict_idle()
@@ -132,35 +137,35 @@ def lookup(key: str) -> Segment | None:
     return _by_key.get(key)
 
 
-def attach(key: str, kind: str, size: int, table_id: str, slot: int, fd: int | None) -> tuple[Segment, bool]:
-    """The segment ``key`` mapped here, mapping it if needed.  Returns (segment, took_fd)."""
+def receive(key: str, kind: str, size: int, table_id: str, slot: int, fd: int | None,
+            lease_fd: int) -> tuple[np.ndarray, bool]:
+    """The anchor of segment ``key`` here, mapping the segment if this process has not
+    (from ``fd``, or by name); ``lease_fd`` came with the message (its in-flight lock).
+    Returns (anchor, whether ``fd`` was kept)."""
     global _kept_fds
-    seg = _by_key.get(key)
-    if seg is not None:
-        return seg, False
-    took = False
-    if kind == FD:
-        mapfd = fd
-    else:
-        mapfd = posix_shm.open_named(key)
-    try:
-        seg = new_segment(key, kind, size, table_id, slot, own=False, fd=mapfd)
-    except BaseException:
-        if kind == FS:
-            os.close(mapfd)
-        raise
-    with _lock:
-        if kind == FD and _kept_fds < _fd_budget():
-            _kept_fds += 1
-            took = True  # kept: this process can forward the segment without a copy
+    with _lock:  # lookup, map and anchor as one step: eviction cannot slip in between
+        seg = _by_key.get(key)
+        if seg is not None and seg.mm is not None:
+            return seg.anchor(lease_fd), False
+        mapfd = fd if kind == FD else posix_shm.open_named(key)
+        try:
+            seg = new_segment(key, kind, size, table_id, slot, own=False, fd=mapfd)
+        except BaseException:
+            if kind == FS:
+                os.close(mapfd)
+            raise
+        took = kind == FD and _kept_fds < _fd_budget()
+        if took:
+            _kept_fds += 1  # kept: this process can forward the segment without a copy
         else:
             seg.fd = None
             if kind == FS:
                 os.close(mapfd)
         _by_key[key] = seg
+        anchor = seg.anchor(lease_fd)
     _stats.bump("segments_attached")
     _stats.bump("bytes_attached", size)
-    return seg, took
+    return anchor, took
 
 
 def new_segment(key, kind, size, table_id, slot, own, fd, populate=False) -> Segment:

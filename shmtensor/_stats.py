@@ -18,7 +18,7 @@ _KEYS = (
     "arrays_received",     # arrays rebuilt on a segment here
 )
 _counts = dict.fromkeys(_KEYS, 0)
-_lock = threading.Lock()
+_lock = threading.RLock()
 
 
 def bump(key: str, n: int = 1) -> None:
@@ -29,3 +29,8 @@ def bump(key: str, n: int = 1) -> None:
 def snapshot() -> dict[str, int]:
     with _lock:
         return dict(_counts)
+
+
+def after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.RLock()

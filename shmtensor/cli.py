@@ -96,17 +96,40 @@ def cmd_ls(args) -> int:
     return 0
 
 
+CLEAN_MIN_AGE_S = 5.0
+
+
+def _lease_open_somewhere() -> set[str]:
+    """``<pid>_<token>`` of every creator whose lease table some live process has open: a
+    process that holds (or may still receive) its segments."""
+    tags = set()
+    for name, use in procfs.scan().items():
+        pid, token, serial = posix_shm.parse_name(name)
+        if serial == "lease" and use.fd_held_by:
+            tags.add(f"{pid}_{token}")
+    return tags
+
+
 def cmd_clean(args) -> int:
     janitors = janitor.running_janitors()
-    removed, freed = [], 0
+    leases = _lease_open_somewhere()
+    removed, freed, failed = [], 0, []
     for row in segments():
+        pid, token, _ = posix_shm.parse_name(row["name"])
         if (row["kind"] != "named" or row["creator_alive"] or row["mapped_by"]
-                or row["fd_held_by"] or row["creator_pid"] in janitors):
+                or row["fd_held_by"] or row["creator_pid"] in janitors
+                or f"{pid}_{token}" in leases or (row["age_s"] or 0) < CLEAN_MIN_AGE_S):
             continue  # a live process may still use it (or its janitor will remove it)
         if not args.dry_run:
-            posix_shm.unlink_named(row["name"])
+            try:
+                posix_shm.unlink_named(row["name"])
+            except PermissionError:
+                failed.append(row["name"])
+                continue
         removed.append(row["name"])
         freed += row["size"]
+    for name in failed:
+        print(f"cannot remove /dev/shm/{name}: permission denied (run as its owner or root)")
     verb = "would remove" if args.dry_run else "removed"
     for name in removed:
         print(f"{verb} /dev/shm/{name}")
@@ -186,7 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="list every shmtensor segment: size, creator, who maps it")
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(func=cmd_ls)
-    cl = sub.add_parser("clean", help="remove named segments no live process can still use")
+    cl = sub.add_parser(
+        "clean", help="remove named segments no live process can still use",
+        description="Removes /dev/shm/shmtensor_* segments whose creator is dead, that no live "
+                    "process maps or has open, whose creator's lease table no live process "
+                    f"holds, that no janitor is handling, and that are older than "
+                    f"{CLEAN_MIN_AGE_S:.0f} s. A message still unread in a queue of a dead "
+                    "job cannot be seen from outside; run clean when such jobs are over.")
     cl.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
     cl.set_defaults(func=cmd_clean)
     lc = sub.add_parser(

@@ -196,3 +196,31 @@ def test_full_dev_shm_raises_a_clear_error_instead_of_sigbus(strategy):
     assert "MB" in msg and ("--shm-size" in msg or "memory" in msg)
     with pytest.raises(shmtensor.ShmSpaceError):
         roundtrip(np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), (huge,), (0,)))
+
+
+def test_channel_survives_dropped_fds():
+    import resource
+    a, b = smp.Pipe()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    x = shmtensor.zeros(10)
+    import os
+    fillers = []
+    try:
+        a.send(x)
+        top = max(int(f) for f in os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1, hard))
+        while True:  # take every free fd number: no room for the received fds
+            try:
+                fillers.append(os.dup(0))
+            except OSError:
+                break
+        with pytest.raises(OSError, match="ulimit"):
+            b.recv()
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    a.send(x)  # the failed message was read whole: the channel still works
+    assert b.recv().base is x.base
+    a.close()
+    b.close()

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -83,6 +84,8 @@ def test_ls_and_clean_never_touch_what_a_live_process_uses(tmp_path):
         fd = os.open(f"/dev/shm/{dead}", os.O_CREAT | os.O_RDWR, 0o600)
         os.ftruncate(fd, 8192)
         os.close(fd)
+        old = time.time() - 60  # clean leaves segments younger than a few seconds alone
+        os.utime(f"/dev/shm/{dead}", (old, old))
         rows = json.loads(run("ls", "--json").stdout)["segments"]
         names = {r["name"]: r for r in rows}
         assert names[seg.key]["creator_alive"] and os.getpid() in names[seg.key]["mapped_by"]

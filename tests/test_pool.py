@@ -191,3 +191,40 @@ def test_torch_dataloader_with_context(lc):
     assert len(batches) == 4 and batches[1].shape == (4, 3, 4)
     assert float(batches[3][3, 0, 0]) == 15.0
     del loader, batches
+
+
+def test_fast_crash_of_replacement_worker_is_seen(lc):
+    pool = smp.get_context("spawn").Pool(1, maxtasksperchild=1)
+    assert pool.apply(helpers.square, (3,)) == 9  # the first worker retires; a new one starts
+    with pytest.raises(smp.WorkerLostError, match="exit code 9"):
+        pool.apply(helpers.exit_in_task, (1,))
+    pool.terminate()
+    pool.join()
+
+
+def test_spawn_under_forkserver(lc):
+    ctx = smp.get_context("forkserver")
+    out = ctx.SimpleQueue()
+    smp.spawn(helpers.spawn_ok, args=(out,), nprocs=2, start_method="forkserver")
+    assert sorted(out.get() for _ in range(2)) == [0, 1]
+    out.close()
+
+
+def test_batch_pool_refuses_another_process():
+    pool = shmtensor.BatchPool((4,), slots=1)
+    ctx = smp.get_context("fork")
+    q = ctx.SimpleQueue()
+
+    def child():
+        try:
+            pool.acquire(timeout=1)
+            q.put("acquired")
+        except RuntimeError as e:
+            q.put(str(e))
+
+    p = ctx.Process(target=child)
+    p.start()
+    msg = q.get()
+    join_all(p)
+    assert "create the BatchPool inside the worker" in msg
+    pool.close()

@@ -46,7 +46,7 @@ def cupy():
 
 class _Export:
     __slots__ = ("slot", "handle", "base", "size", "device", "bus_id", "refs", "event",
-                 "event_handle")
+                 "event_handle", "pending")
 
     def __init__(self, cp, device: int, base: int, size: int) -> None:
         self.device, self.base, self.size = device, base, size
@@ -55,6 +55,22 @@ class _Export:
         self.slot = ofd_lease.own_table().new_slot()
         self.refs: dict[int, object] = {}
         self.event = self.event_handle = None
+        self.pending = 0  # messages pickled but not yet sent: no in-flight lock covers them
+
+
+class _Pending:
+    """Kept by a message until it is sent: its export must not be dropped before then."""
+
+    __slots__ = ("export",)
+
+    def __init__(self, export: _Export) -> None:
+        self.export = export
+        with _lock:
+            export.pending += 1
+
+    def __del__(self) -> None:
+        with _lock:
+            self.export.pending -= 1
 
 
 class _Opening:
@@ -102,6 +118,7 @@ def reduce_cupy_array(arr):
             _reductions.keep_alive(mem)
         else:
             ex = export(cp, arr)
+            _reductions.keep_alive(_Pending(ex))
             ev = _order(cp, ex)
             table_id, slot = ofd_lease.own_table().id, ex.slot
             handle, bus_id, size, base = ex.handle, ex.bus_id, ex.size, ex.base
@@ -130,7 +147,7 @@ def collect() -> int:
     dropped = 0
     with _lock:
         for key, ex in list(_exports.items()):
-            if not table.is_held(ex.slot):
+            if ex.pending == 0 and not table.is_held(ex.slot):
                 del _exports[key]
                 dropped += 1
     return dropped
@@ -168,11 +185,22 @@ def _release(handle: bytes, ptr: int, device: int, table_id: str, slot: int) -> 
     ofd_lease.release(table_id, slot)
 
 
+def _own_export(table_id: str, slot: int) -> _Export | None:
+    if not _exports or ofd_lease.own_table().id != table_id:
+        return None
+    with _lock:
+        return next((ex for ex in _exports.values() if ex.slot == slot), None)
+
+
 def _rebuild_cupy_array(handle, bus_id, size, offset, shape, strides, dtype, table_id, slot,
                         lock_i, event_handle):
     cp = cupy()
-    ofd_lease.adopt_table(table_id, _reductions.received_fd(lock_i))
+    lease_fd = _reductions.received_fd(lock_i)
     device = _local_device(cp, bus_id)
+    ex = _own_export(table_id, slot)
+    if ex is not None:  # back in the process that exported it: its own memory, no IPC
+        mem = cp.cuda.UnownedMemory(ex.base, ex.size, ex, ex.device)
+        return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
     with cp.cuda.Device(device):
         with _lock:
             ref = _opened.get(handle)
@@ -182,7 +210,7 @@ def _rebuild_cupy_array(handle, bus_id, size, offset, shape, strides, dtype, tab
                 op = _Opening()
                 op.ptr, op.device, op.handle, op.bus_id, op.size = ptr, device, handle, bus_id, size
                 op.table_id, op.slot, op.event, op.event_handle = table_id, slot, None, None
-                ofd_lease.hold(table_id, slot)
+                ofd_lease.hold(table_id, slot, lease_fd)
                 f = weakref.finalize(op, _release, handle, ptr, device, table_id, slot)
                 f.atexit = False
                 _opened[handle] = weakref.ref(op)

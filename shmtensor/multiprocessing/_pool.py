@@ -6,8 +6,9 @@ is raised in the caller as itself, with the worker's traceback as ``__cause__``,
 :class:`RemoteError` naming its type when that type cannot be rebuilt here.
 
 The stdlib's pool waits forever when a worker dies mid-task.  Here a watcher thread wakes
-on every worker's exit; a non-zero exit code while calls are pending fails every pending
-call with :class:`WorkerLostError` (naming the pid and exit code or signal) and marks the
+on every worker's exit (every worker the pool ever started, replacements included, until
+the pool is terminated or closed and drained); a non-zero exit code while calls are
+pending fails every pending call with :class:`WorkerLostError` (naming the pid and exit code or signal) and marks the
 pool broken, so later calls fail at once too.  A worker that dies while the pool is idle
 is simply replaced by the stdlib's own worker handler.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import weakref
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import pool as _mpp
 from multiprocessing.connection import wait
@@ -39,14 +41,59 @@ def _describe(code: int) -> str:
 
 
 def _fail(job, err: BaseException) -> None:
-    if isinstance(job, _mpp.IMapIterator):
-        job._set(job._index, (False, err))
-        job._set_length(job._index)
-    elif isinstance(job, _mpp.MapResult):
-        job._number_left = 1
-        job._set(0, (False, err))
-    else:
-        job._set(0, (False, err))
+    ready = getattr(job, "ready", None)
+    if ready is not None and ready():
+        return  # finished just before the crash was seen: keep its result
+    try:
+        if isinstance(job, _mpp.IMapIterator):
+            job._set(job._index, (False, err))
+            job._set_length(job._index)
+        elif isinstance(job, _mpp.MapResult):
+            job._number_left = 1
+            job._set(0, (False, err))
+        else:
+            job._set(0, (False, err))
+    except KeyError:  # the result handler completed it meanwhile
+        pass
+
+
+# Every worker each pool ever started, by the pool's task queue, so that a replacement that
+# starts and dies between two looks of the watcher is still seen.
+_workers: "weakref.WeakKeyDictionary[object, list]" = weakref.WeakKeyDictionary()
+
+
+def _watch(pool_ref: "weakref.ref[Pool]", inqueue) -> None:
+    """Wake on any worker's exit; a non-zero exit with calls pending breaks the pool."""
+    handled: set[int] = set()
+    while True:
+        pool = pool_ref()
+        if pool is None or pool._state == _mpp.TERMINATE or pool._broken is not None:
+            return
+        if pool._state == _mpp.CLOSE and not pool._cache:
+            return
+        workers = list(_workers.get(inqueue, ()))
+        del pool  # wait without keeping the pool alive
+        alive = [w.sentinel for w in workers if w.exitcode is None]
+        if alive:
+            wait(alive, timeout=0.2)
+        else:
+            time.sleep(0.05)
+        pool = pool_ref()
+        if pool is None:
+            return
+        for w in workers:
+            code = w.exitcode
+            if code is None or id(w) in handled:
+                continue
+            handled.add(id(w))
+            if code != 0 and pool._cache and pool._state != _mpp.TERMINATE:
+                pool._break(w.pid, code)
+                return
+        live = _workers.get(inqueue)
+        if live is not None and len(live) > 2 * max(1, pool._processes):
+            live[:] = [w for w in live if w.exitcode is None]  # forget the handled dead
+            handled = {id(w) for w in live if w.exitcode is not None}
+        del pool
 
 
 class Pool(_mpp.Pool):
@@ -55,28 +102,17 @@ class Pool(_mpp.Pool):
     def __init__(self, *args, **kwargs) -> None:
         self._broken: WorkerLostError | None = None
         super().__init__(*args, **kwargs)
-        self._watcher = threading.Thread(target=self._watch_workers, daemon=True,
-                                         name="shmtensor-pool-watcher")
+        self._watcher = threading.Thread(target=_watch, args=(weakref.ref(self), self._inqueue),
+                                         daemon=True, name="shmtensor-pool-watcher")
         self._watcher.start()
 
-    def _watch_workers(self) -> None:
-        """Wake on any worker's exit; a non-zero exit with calls pending breaks the pool."""
-        seen: dict[int, object] = {}
-        while self._state == _mpp.RUN and self._broken is None:
-            for w in list(self._pool):
-                seen.setdefault(id(w), w)
-            alive = [w.sentinel for w in seen.values() if w.exitcode is None]
-            if alive:
-                wait(alive, timeout=0.2)
-            else:
-                time.sleep(0.05)
-            for key, w in list(seen.items()):
-                code = w.exitcode
-                if code is None:
-                    continue
-                del seen[key]
-                if code != 0 and self._cache and self._state == _mpp.RUN:
-                    self._break(w.pid, code)
+    @staticmethod
+    def Process(ctx, *args, **kwds):
+        proc = ctx.Process(*args, **kwds)
+        inqueue = kwds["args"][0] if "args" in kwds else None
+        if inqueue is not None:
+            _workers.setdefault(inqueue, []).append(proc)
+        return proc
 
     def _break(self, pid: int, code: int) -> None:
         err = WorkerLostError(

@@ -1,8 +1,8 @@
 """``spawn(fn, args, nprocs)``: run ``fn(rank, *args)`` in several processes, fail fast.
 
 Each child writes its traceback to an error file of its own if ``fn`` raises (a file, not a
-queue, so a dying child cannot leave a half-written message behind), and asks the kernel
-to kill it when its parent dies (``PR_SET_PDEATHSIG``, Linux).  ``join`` watches every
+queue, so a dying child cannot leave a half-written message behind), and dies with its
+parent (``PR_SET_PDEATHSIG`` on Linux, and a thread watching the parent's sentinel).  ``join`` watches every
 child's sentinel: on the first failure it sends SIGTERM to the siblings, then SIGKILL
 after a grace period, and raises an exception carrying the rank, the exit code or signal,
 and the child's traceback.
@@ -18,6 +18,7 @@ import pickle
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -55,23 +56,34 @@ class ProcessExitedException(ProcessException):
                             self.signal_name)
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
+def _die_with_parent(use_pdeathsig: bool) -> None:
+    """Exit when the parent does.  PR_SET_PDEATHSIG (Linux) acts even while this process
+    runs C code, but follows the parent *thread* that started us, so it is used only when
+    that was the main thread; a watcher on the parent's sentinel covers every case."""
+    if use_pdeathsig and sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         except (OSError, AttributeError):
             pass
     parent = multiprocessing.parent_process()
-    if parent is not None and os.getppid() != parent.pid:
-        os._exit(1)  # the parent died before we asked to follow it
+    if parent is None:
+        return
+    if multiprocessing.connection.wait([parent.sentinel], 0):
+        os._exit(1)  # the parent died before we could follow it
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="shmtensor-parent-watch").start()
 
 
-def _wrap(fn, rank: int, args: tuple, error_file: str) -> None:
-    _die_with_parent()
+def _wrap(fn, rank: int, args: tuple, error_file: str, use_pdeathsig: bool) -> None:
+    _die_with_parent(use_pdeathsig)
     try:
         fn(rank, *args)
     except KeyboardInterrupt:
-        pass  # the parent is stopping us
+        sys.exit(130)  # interrupted: a failure, but no traceback to report
     except Exception:
         with open(error_file, "wb") as f:
             pickle.dump(traceback.format_exc(), f)
@@ -131,7 +143,10 @@ class ProcessContext:
                 rank, proc.pid)
         code = proc.exitcode
         if code < 0:
-            name = signal.Signals(-code).name
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:  # a real-time signal
+                name = f"signal {-code}"
             raise ProcessExitedException(
                 f"process {rank} (pid {proc.pid}) terminated with signal {name}",
                 rank, proc.pid, code, name)
@@ -155,11 +170,13 @@ def start_processes(fn, args=(), nprocs: int = 1, join: bool = True, daemon: boo
         raise ValueError(f"nprocs must be at least 1, got {nprocs}")
     ctx = get_context(start_method)
     processes, error_files = [], []
+    main_thread = threading.current_thread() is threading.main_thread()
     for rank in range(nprocs):
         fd, path = tempfile.mkstemp(prefix="shmtensor-spawn-", suffix=".err")
         os.close(fd)
         error_files.append(path)
-        p = ctx.Process(target=_wrap, args=(fn, rank, tuple(args), path), daemon=daemon)
+        p = ctx.Process(target=_wrap, args=(fn, rank, tuple(args), path, main_thread),
+                        daemon=daemon)
         p.start()
         processes.append(p)
     context = ProcessContext(processes, error_files)

@@ -1,0 +1,23 @@
+"""Helper child of the CLI benchmark: ``python -m benchmarks._hold_segments COUNT``.
+
+Makes ``COUNT`` small named segments (strategy ``file_system``: one /dev/shm file each),
+prints how many segments it created, and keeps them alive until its stdin closes.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import shmtensor as st
+
+
+def main(count: int) -> None:
+    st.set_sharing_strategy("file_system")
+    arrays = [st.zeros(10) for _ in range(count)]
+    print(st.debug_info()["segments_created"], flush=True)
+    sys.stdin.read()  # until the parent closes our stdin
+    del arrays
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

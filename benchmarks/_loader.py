@@ -1,0 +1,98 @@
+"""A data loader like ``examples/dataloader.py``: workers make batches, the parent takes them.
+
+On shmtensor's context each worker fills the slots of a :class:`shmtensor.BatchPool` (a
+slot is free again once the parent drops the batch); on the stdlib's it makes a fresh
+array per batch, pickled through the queue's pipe.  Runs in spawned children too: imports
+only numpy, the stdlib and shmtensor.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+import shmtensor as st
+
+BATCH, DTYPE = (32, 256, 256), np.dtype(np.float32)  # 8 MB a batch
+SLOTS = 3
+GET_TIMEOUT = 120.0
+
+
+def fill(out: np.ndarray, index: int) -> None:
+    """The 'dataset': a cheap, checkable fill of every element."""
+    out[...] = index
+
+
+def worker(rank: int, nworkers: int, nbatches: int, out, use_pool: bool) -> None:
+    """Make batches ``rank, rank + nworkers, ...``; then send this process's counters."""
+    pool = st.BatchPool(BATCH, DTYPE, slots=SLOTS) if use_pool else None
+    for index in range(rank, nbatches, nworkers):
+        batch = pool.acquire() if pool is not None else np.empty(BATCH, DTYPE)
+        fill(batch, index)
+        out.put((index, batch))
+        del batch  # the slot is the parent's until it drops the batch
+    out.put((None, st.debug_info()))
+
+
+@dataclass
+class LoaderRun:
+    batches: int
+    steady_batches_per_s: float
+    clock_started_at: int        # batches taken before the steady-state clock started
+    segments_created: int        # by all workers together
+
+
+def run_loader(ctx, nworkers: int, nbatches: int, use_pool: bool, skip: int) -> LoaderRun:
+    """Take ``nbatches`` batches, touching one element of each.  The clock starts once every
+    worker has delivered a batch and at least ``skip`` batches were taken (start-up, which
+    spawns workers one after another, is left out) and stops at the last batch."""
+    out = ctx.Queue(maxsize=2 * nworkers)
+    procs = [ctx.Process(target=worker, args=(r, nworkers, nbatches, out, use_pool),
+                         daemon=True) for r in range(nworkers)]
+    for p in procs:
+        p.start()
+    stamps, infos, seen, start = [], [], set(), None
+    try:
+        while len(infos) < nworkers:
+            index, batch = _get(out, procs)
+            if index is None:
+                infos.append(batch)
+                continue
+            if batch[1, 5, 5] != index:
+                raise AssertionError(f"batch {index} holds {batch[1, 5, 5]}")
+            del batch
+            stamps.append(time.perf_counter())
+            seen.add(index % nworkers)
+            if start is None and len(seen) == nworkers and len(stamps) > skip:
+                start = len(stamps) - 1
+    finally:
+        _stop(procs)
+    if start is None or start == len(stamps) - 1:
+        raise RuntimeError(f"{nbatches} batches are too few to reach a steady state")
+    rate = (len(stamps) - 1 - start) / (stamps[-1] - stamps[start])
+    return LoaderRun(len(stamps), rate, start, sum(i.get("segments_created", 0) for i in infos))
+
+
+def _get(out, procs):
+    """The next item; raises when it takes over ``GET_TIMEOUT`` or a worker has failed."""
+    deadline = time.monotonic() + GET_TIMEOUT
+    while True:
+        try:
+            return out.get(timeout=0.5)
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                raise RuntimeError(f"loader stalled (worker exit codes {failed})") from None
+
+
+def _stop(procs, timeout: float = 30) -> None:
+    """Join the workers; kill any that is still there after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
