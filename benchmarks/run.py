@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import importlib
 import os
 import platform
+import subprocess
 import sys
 import time
 import traceback
@@ -28,6 +30,9 @@ import shmtensor as st
 
 from . import _report, bench_cli, bench_core, bench_loader, bench_pool, bench_threshold
 from ._report import Section
+
+ROOT = Path(__file__).resolve().parent.parent
+LIBRARY = ("shmtensor", "ipc")
 
 
 def available(module: str) -> str | None:
@@ -49,12 +54,30 @@ def machine_info(quick: bool) -> dict:
         "memory_bytes": psutil.virtual_memory().total,
         "numpy": np.__version__,
         "shmtensor": st.__version__,
+        "library_at_start": library_version(),
         "inline_threshold": st.get_inline_threshold(),
         "torch": available("torch"),
         "joblib": available("joblib"),
         "quick": quick,
         "load_average_at_start": os.getloadavg()[0],
     }
+
+
+def library_version() -> str | None:
+    """The git commit of the code under test; ``+dirty.<hash of the diff>`` when shmtensor/
+    or ipc/ has uncommitted changes (the library may be edited while the bench runs)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout
+    try:
+        head = git("rev-parse", "--short", "HEAD").strip()
+        diff = git("diff", "HEAD", "--", *LIBRARY)
+        untracked = git("ls-files", "--others", "--exclude-standard", "--", *LIBRARY)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    if not diff and not untracked:
+        return head
+    return f"{head}+dirty.{hashlib.sha1((diff + untracked).encode()).hexdigest()[:8]}"
 
 
 def _cpu_model() -> str | None:
@@ -108,6 +131,15 @@ def print_summary(targets: list[dict]) -> None:
             print(f"  FAIL [{t['section']}] {t['name']}")
 
 
+def print_library(machine: dict) -> None:
+    start, end = machine["library_at_start"], machine["library_at_end"]
+    if start == end:
+        print(f"library under test: {start}")
+    else:
+        print(f"library under test: {start} at start, {end} at end: it changed during the "
+              "run (processes started later ran the newer code)")
+
+
 def save(out: Path, machine: dict, results: list[dict], targets: list[dict],
          counters: dict | None, sections: list[Section]) -> None:
     """Write results.json (every section) and, when matplotlib imports, plot.png."""
@@ -147,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = [run_section(key, measure)
                 for key, measure in section_plan(settings, args.quick, have_joblib)]
     machine["load_average_at_end"] = os.getloadavg()[0]
+    machine["library_at_end"] = library_version()
     machine["wall_s"] = round(time.monotonic() - started, 1)
 
     bench_core.print_report(settings, machine, results, targets, counters)
@@ -157,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwall time {machine['wall_s']:.0f} s; load average "
           f"{machine['load_average_at_start']:.2f} at start, "
           f"{machine['load_average_at_end']:.2f} at end")
+    print_library(machine)
     save(args.out, machine, results, all_targets, counters, sections)
     return 0
 

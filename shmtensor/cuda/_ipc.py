@@ -6,9 +6,9 @@ references that keep the memory out of CuPy's pool while any process holds the s
 send records the export's interprocess event on the current stream (the consumer's stream
 waits on it, the host does not) and carries an in-flight lock on the slot.
 
-Consumer: opens each handle once (cached while any array uses it), holds the slot, and on
-the last array's death waits for its own work on the device, closes the handle and
-releases the slot.  Consumers that die release by dying (OFD locks).  A received array
+Consumer: opens each handle once and keeps it open (up to ``MAPPED_IDLE_LIMIT`` idle ones,
+least recently used closed first), holds the slot while any array built on it lives, and
+on the last one's death waits for its own work on the device and releases the slot.  Consumers that die release by dying (OFD locks).  A received array
 forwarded to a third process re-sends the original handle and slot, so the producer keeps
 the memory until the third process lets go too.  The producer drops released exports in
 :func:`ipc_collect`, which also runs on every new export.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 
 from ipc import cuda_ipc, ofd_lease
 
@@ -28,7 +29,8 @@ EVENT_CAP = 4096    # interprocess events per process; past it, senders synchron
 
 _lock = threading.RLock()
 _exports: dict[tuple[int, int], "_Export"] = {}
-_opened: dict[bytes, weakref.ref] = {}     # handle -> _Opening while any array uses it
+_mapped: "OrderedDict[bytes, _Mapping]" = OrderedDict()  # handle -> open mapping, LRU
+MAPPED_IDLE_LIMIT = 64  # idle open mappings kept per process
 _opened_events: dict[bytes, int] = {}       # event handle -> opened event pointer
 _events_made = 0
 
@@ -73,11 +75,31 @@ class _Pending:
             self.export.pending -= 1
 
 
-class _Opening:
-    """Owner of one opened IPC mapping in a consumer: its death releases the mapping."""
+class _Mapping:
+    """An IPC handle opened in this process.  It stays open while idle (a later message
+    for the same allocation needs no new open) until evicted or :func:`collect`."""
 
     __slots__ = ("ptr", "device", "handle", "bus_id", "size", "table_id", "slot", "event",
-                 "event_handle", "__weakref__")
+                 "event_handle", "use", "__weakref__")
+
+
+class _Use:
+    """Owner of the arrays built on a mapping: its death releases the lease (never the
+    mapping) once this process's work on the device is done."""
+
+    __slots__ = ("mapping", "__weakref__")
+
+
+def _use_of(m: _Mapping, lease_fd: int) -> _Use:
+    use = m.use() if m.use is not None else None
+    if use is None:
+        ofd_lease.hold(m.table_id, m.slot, lease_fd)
+        use = _Use()
+        use.mapping = m
+        m.use = weakref.ref(use)
+        f = weakref.finalize(use, _release, m.device, m.table_id, m.slot)
+        f.atexit = False
+    return use
 
 
 def _new_event(cp):
@@ -111,10 +133,11 @@ def reduce_cupy_array(arr):
     mem = arr.data.mem
     owner = getattr(mem, "_owner", None) if isinstance(mem, cp.cuda.UnownedMemory) else None
     with cp.cuda.Device(arr.device.id):
-        if isinstance(owner, _Opening):  # forwarding what we received: same handle, same slot
-            ev = _order(cp, owner)
-            table_id, slot = owner.table_id, owner.slot
-            handle, bus_id, size, base = owner.handle, owner.bus_id, owner.size, owner.ptr
+        if isinstance(owner, _Use):  # forwarding what we received: same handle, same slot
+            m = owner.mapping
+            ev = _order(cp, m)
+            table_id, slot = m.table_id, m.slot
+            handle, bus_id, size, base = m.handle, m.bus_id, m.size, m.ptr
             _reductions.keep_alive(mem)
         else:
             ex = export(cp, arr)
@@ -135,14 +158,21 @@ def export(cp, arr) -> _Export:
     with _lock:
         ex = _exports.get((device, base))
         if ex is None:
-            collect()
+            _drop_released()
             ex = _exports[(device, base)] = _Export(cp, device, base, size)
         ex.refs[id(arr.data.mem)] = arr.data.mem
     return ex
 
 
 def collect() -> int:
-    """Drop exports nobody holds any more (their memory returns to CuPy's pool)."""
+    """Drop exports nobody holds any more (their memory returns to CuPy's pool) and close
+    the idle mappings of other processes' memory.  Returns the exports dropped."""
+    if _mapped:
+        _evict(0)
+    return _drop_released()
+
+
+def _drop_released() -> int:
     table = ofd_lease.own_table()
     dropped = 0
     with _lock:
@@ -170,26 +200,32 @@ def _rebuild_empty(shape, dtype, bus_id):
         return cp.empty(shape, dtype)
 
 
-def _release(handle: bytes, ptr: int, device: int, table_id: str, slot: int) -> None:
-    with _lock:
-        ref = _opened.get(handle)
-        if ref is not None and ref() is None:
-            del _opened[handle]
+def _release(device: int, table_id: str, slot: int) -> None:
     try:
         import cupy as cp
         with cp.cuda.Device(device):
             cp.cuda.runtime.deviceSynchronize()  # our own work on the memory comes first
-            cp.cuda.runtime.ipcCloseMemHandle(ptr)
     except Exception:  # interpreter or driver shutting down: dying releases anyway
         pass
     ofd_lease.release(table_id, slot)
+    _evict(MAPPED_IDLE_LIMIT)
 
 
-def _own_export(table_id: str, slot: int) -> _Export | None:
-    if not _exports or ofd_lease.own_table().id != table_id:
-        return None
+def _evict(keep: int) -> int:
+    """Close idle mappings beyond the ``keep`` most recently used."""
+    closed = 0
     with _lock:
-        return next((ex for ex in _exports.values() if ex.slot == slot), None)
+        idle = [h for h, m in _mapped.items() if m.use is None or m.use() is None]
+        for handle in idle[:max(0, len(idle) - keep)]:
+            m = _mapped.pop(handle)
+            try:
+                import cupy as cp
+                with cp.cuda.Device(m.device):
+                    cp.cuda.runtime.ipcCloseMemHandle(m.ptr)
+            except Exception:  # shutting down: the driver closes it with the process
+                pass
+            closed += 1
+    return closed
 
 
 def _rebuild_cupy_array(handle, bus_id, size, offset, shape, strides, dtype, table_id, slot,
@@ -203,18 +239,21 @@ def _rebuild_cupy_array(handle, bus_id, size, offset, shape, strides, dtype, tab
         return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
     with cp.cuda.Device(device):
         with _lock:
-            ref = _opened.get(handle)
-            op = ref() if ref is not None else None
-            if op is None:  # opened once per process while any array uses it
-                ptr = cp.cuda.runtime.ipcOpenMemHandle(handle, _IPC_LAZY_PEER)
-                op = _Opening()
-                op.ptr, op.device, op.handle, op.bus_id, op.size = ptr, device, handle, bus_id, size
-                op.table_id, op.slot, op.event, op.event_handle = table_id, slot, None, None
-                ofd_lease.hold(table_id, slot, lease_fd)
-                f = weakref.finalize(op, _release, handle, ptr, device, table_id, slot)
-                f.atexit = False
-                _opened[handle] = weakref.ref(op)
-            mem = cp.cuda.UnownedMemory(op.ptr, size, op, device)
+            m = _mapped.get(handle)
+            if m is None or (m.table_id, m.slot) != (table_id, slot):
+                if m is not None and (m.use is None or m.use() is None):
+                    _mapped.pop(handle)  # exported anew by its producer: same memory
+                    m.table_id, m.slot = table_id, slot
+                    _mapped[handle] = m
+                elif m is None:
+                    m = _Mapping()
+                    m.ptr = cp.cuda.runtime.ipcOpenMemHandle(handle, _IPC_LAZY_PEER)
+                    m.device, m.handle, m.bus_id, m.size = device, handle, bus_id, size
+                    m.table_id, m.slot, m.event, m.event_handle, m.use = table_id, slot, None, None, None
+                    _mapped[handle] = m
+            _mapped.move_to_end(handle)
+            use = _use_of(m, lease_fd)
+            mem = cp.cuda.UnownedMemory(m.ptr, size, use, device)
         if event_handle is not None:
             ev = _opened_events.get(event_handle)
             if ev is None:
@@ -279,7 +318,6 @@ def exports() -> list[dict]:
 
 def stats() -> dict[str, int]:
     with _lock:
-        live = [r() for r in _opened.values()]
-        return {"cuda_exports": len(_exports), "cuda_bytes_exported": sum(e.size for e in _exports.values()),
-                "cuda_opened": sum(1 for m in live if m is not None),
-                "cuda_events": _events_made}
+        return {"cuda_exports": len(_exports),
+                "cuda_bytes_exported": sum(e.size for e in _exports.values()),
+                "cuda_opened": len(_mapped), "cuda_events": _events_made}

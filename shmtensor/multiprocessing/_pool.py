@@ -64,6 +64,13 @@ _workers: "weakref.WeakKeyDictionary[object, list]" = weakref.WeakKeyDictionary(
 
 def _watch(pool_ref: "weakref.ref[Pool]", inqueue) -> None:
     """Wake on any worker's exit; a non-zero exit with calls pending breaks the pool."""
+    try:
+        _watch_loop(pool_ref, inqueue)
+    finally:
+        _workers.pop(inqueue, None)  # let the workers' Process objects (and fds) go
+
+
+def _watch_loop(pool_ref: "weakref.ref[Pool]", inqueue) -> None:
     handled: set[int] = set()
     while True:
         pool = pool_ref()
@@ -71,7 +78,8 @@ def _watch(pool_ref: "weakref.ref[Pool]", inqueue) -> None:
             return
         if pool._state == _mpp.CLOSE and not pool._cache:
             return
-        workers = list(_workers.get(inqueue, ()))
+        # recorded at creation: skip those not started yet
+        workers = [w for w in _workers.get(inqueue, ()) if w._popen is not None]
         del pool  # wait without keeping the pool alive
         alive = [w.sentinel for w in workers if w.exitcode is None]
         if alive:
