@@ -2,11 +2,13 @@
 
 General layout: :mod:`ipc` is the transport (segments, fd passing, leases); this package
 puts arrays on it.  Public names live here and in :mod:`shmtensor.multiprocessing`; every
-``_module`` is internal.
+``_module`` is internal.  Importing the package is cheap (the CLI and the pytest plugin
+import it): numpy and the array machinery load on first use of an array name.
 """
 
 from __future__ import annotations
 
+import importlib as _importlib
 import os as _os
 import sys as _sys
 
@@ -14,10 +16,7 @@ from ipc import janitor as _janitor
 from ipc import ofd_lease as _ofd_lease
 from ipc.posix_shm import ShmSpaceError
 
-from . import _recycler, _segments, _stats
-from ._batch_pool import BatchPool
-from ._alloc import (empty, empty_like, full, is_shared, ones, share_memory, zeros,
-                     zeros_like)
+from . import _stats
 from ._strategy import (get_all_sharing_strategies, get_inline_threshold,
                         get_sharing_strategy, set_inline_threshold, set_sharing_strategy)
 
@@ -27,18 +26,38 @@ __all__ = ["empty", "zeros", "ones", "full", "empty_like", "zeros_like", "share_
            "get_all_sharing_strategies", "set_inline_threshold", "get_inline_threshold",
            "empty_cache", "debug_info", "ShmSpaceError", "BatchPool"]
 
+_LAZY = {name: "._alloc" for name in ("empty", "zeros", "ones", "full", "empty_like",
+                                     "zeros_like", "share_memory", "is_shared")}
+_LAZY["BatchPool"] = "._batch_pool"
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shmtensor' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 def empty_cache() -> int:
     """Unmap every idle segment this process keeps for reuse; returns the bytes let go.
 
     Segments still held elsewhere (a consumer's view, a message in flight) are kept."""
+    from . import _recycler, _segments
     freed = _recycler.trim(force=True) + _segments.evict_idle(force=True)
     _ofd_lease.forget_idle()
     return freed
 
 
 def debug_info() -> dict[str, int]:
-    """Counters for this process: segments made, attached, recycled, bytes, live and idle."""
+    """Counters for this process: segments made, attached, recycled, bytes, live and idle,
+    and CUDA exports and mappings (zeros until CUDA is used)."""
+    from . import _recycler, _segments
     info = _stats.snapshot()
     segs = _segments.mapped()
     own = [s for s in segs if s.own]
@@ -58,8 +77,10 @@ def _after_fork_in_child() -> None:
     _stats.after_fork_in_child()
     _ofd_lease.after_fork_in_child()
     _janitor.after_fork_in_child()
-    _segments.after_fork_in_child()
-    _recycler.after_fork_in_child()
+    for name in ("shmtensor._segments", "shmtensor._recycler"):  # only what was loaded
+        module = _sys.modules.get(name)
+        if module is not None:
+            module.after_fork_in_child()
 
 
 _os.register_at_fork(before=_ofd_lease.before_fork,

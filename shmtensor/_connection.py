@@ -39,7 +39,8 @@ class Connection(_mpc.Connection):
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.detach()
-        _close(self._handle)
+        handle, self._handle = self._handle, None  # closed even when reached through __del__
+        _close(handle)
 
     # bytes, as the stdlib's Connection sends them, in fd-carrying frames
     def _send_bytes(self, buf) -> None:

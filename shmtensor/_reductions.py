@@ -19,6 +19,7 @@ table, one in-flight lock description and, for memfds, the segment fds (see
 
 from __future__ import annotations
 
+import copyreg
 import io
 import os
 import pickle
@@ -189,42 +190,79 @@ class RemoteError(Exception):
                 "super().__init__)")
 
 
-class _Pickler(cloudpickle.Pickler):
-    """Pickles with shmtensor's reducers ahead of multiprocessing's, cloudpickle's and
-    copyreg's; functions and classes that cannot be imported by name (lambdas, closures,
-    ``__main__``) travel by value, as cloudpickle does."""
-
-    dispatch_table = ChainMap({np.ndarray: _reduce_ndarray, Segment: _reduce_segment,
-                               ExceptionWithTraceback: _reduce_exception_with_traceback},
-                              ForkingPickler._extra_reducers, cloudpickle.Pickler.dispatch_table)
-
-    def reducer_override(self, obj):
-        # CuPy objects: only possible once CuPy is imported, and only then do we look.
-        cp = sys.modules.get("cupy")
-        if cp is not None:
-            if isinstance(obj, cp.ndarray):
-                from .cuda import _ipc
-                return _ipc.reduce_cupy_array(obj)
-            if isinstance(obj, cp.cuda.Event):
-                from .cuda import _ipc
-                return _ipc.reduce_cupy_event(obj)
-        return super().reducer_override(obj)
+_OURS = {np.ndarray: _reduce_ndarray, Segment: _reduce_segment,
+         ExceptionWithTraceback: _reduce_exception_with_traceback}
 
 
-def dumps(obj) -> tuple[memoryview, SendContext]:
-    """Pickle ``obj`` for a shmtensor channel: the bytes and what must travel with them."""
+def _cupy_reducers() -> dict:
+    cp = sys.modules.get("cupy")
+    if cp is None:
+        return {}
+    from .cuda import _ipc
+    return {cp.ndarray: _ipc.reduce_cupy_array, cp.cuda.Event: _ipc.reduce_cupy_event}
+
+
+class _Pickler(pickle.Pickler):
+    """The fast pickler: shmtensor's reducers ahead of multiprocessing's and copyreg's, in
+    one plain dict (rebuilt when another library registers reducers or CuPy appears)."""
+
+    dispatch_table: dict = {}
+    _signature: tuple = ()
+
+    @classmethod
+    def refresh(cls) -> None:
+        sig = (len(copyreg.dispatch_table), len(ForkingPickler._extra_reducers),
+               "cupy" in sys.modules)
+        if sig != cls._signature:
+            table = dict(copyreg.dispatch_table)
+            table.update(ForkingPickler._extra_reducers)
+            table.update(_OURS)
+            table.update(_cupy_reducers())
+            cls.dispatch_table, cls._signature = table, sig
+
+
+class _CloudPickler(cloudpickle.Pickler):
+    """The fallback: the same reducers, and functions or classes that cannot be imported
+    by name (lambdas, closures, ``__main__``, notebooks) travel by value (cloudpickle)."""
+
+    def __init__(self, file, protocol=None):
+        super().__init__(file, protocol)
+        self.dispatch_table = ChainMap(_Pickler.dispatch_table, cloudpickle.Pickler.dispatch_table)
+
+
+def _dump(pickler_cls, obj) -> tuple[memoryview, SendContext]:
     ctx = SendContext()
     prev = getattr(_local, "send", None)
     _local.send = ctx
     buf = io.BytesIO()
     try:
-        _Pickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+        pickler_cls(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
     except BaseException:
         ctx.release()
         raise
     finally:
         _local.send = prev
     return buf.getbuffer(), ctx
+
+
+_SCAN_MAIN_UPTO = 1 << 16  # larger messages are data; a function in one is sent by name
+
+
+def dumps(obj) -> tuple[memoryview, SendContext]:
+    """Pickle ``obj`` for a shmtensor channel: the bytes and what must travel with them.
+
+    The fast pickler goes first; a message it cannot pickle (a lambda, a closure) or that
+    names ``__main__`` (which a spawned child or a notebook may not be able to import) is
+    pickled again with cloudpickle."""
+    _Pickler.refresh()
+    try:
+        data, ctx = _dump(_Pickler, obj)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return _dump(_CloudPickler, obj)
+    if len(data) <= _SCAN_MAIN_UPTO and b"__main__" in data.tobytes():
+        ctx.release()
+        return _dump(_CloudPickler, obj)
+    return data, ctx
 
 
 class _RecvContext:

@@ -89,7 +89,10 @@ class leak_checker:
         return self
 
     def _cleanup_local(self) -> None:
+        import multiprocessing
+
         import shmtensor
+        multiprocessing.active_children()  # reaps exited children the stdlib keeps until then
         gc.collect()
         shmtensor.empty_cache()
         cuda = sys.modules.get("shmtensor.cuda._ipc")

@@ -228,6 +228,13 @@ def _evict(keep: int) -> int:
     return closed
 
 
+def _own_export(table_id: str, slot: int) -> _Export | None:
+    if not _exports or ofd_lease.own_table().id != table_id:
+        return None
+    with _lock:
+        return next((ex for ex in _exports.values() if ex.slot == slot), None)
+
+
 def _rebuild_cupy_array(handle, bus_id, size, offset, shape, strides, dtype, table_id, slot,
                         lock_i, event_handle):
     cp = cupy()
