@@ -248,13 +248,16 @@ def _dump(pickler_cls, obj) -> tuple[memoryview, SendContext]:
 _SCAN_MAIN_UPTO = 1 << 16  # larger messages are data; a function in one is sent by name
 
 
-def dumps(obj) -> tuple[memoryview, SendContext]:
+def dumps(obj, by_value: bool = False) -> tuple[memoryview, SendContext]:
     """Pickle ``obj`` for a shmtensor channel: the bytes and what must travel with them.
 
     The fast pickler goes first; a message it cannot pickle (a lambda, a closure) or that
     names ``__main__`` (which a spawned child or a notebook may not be able to import) is
-    pickled again with cloudpickle."""
+    pickled again with cloudpickle.  ``by_value`` goes to cloudpickle at once: for
+    pickling with side effects that must not happen twice (a process being spawned)."""
     _Pickler.refresh()
+    if by_value:
+        return _dump(_CloudPickler, obj)
     try:
         data, ctx = _dump(_Pickler, obj)
     except (pickle.PicklingError, AttributeError, TypeError):

@@ -16,6 +16,7 @@ the memory until the third process lets go too.  The producer drops released exp
 
 from __future__ import annotations
 
+import queue
 import threading
 import weakref
 from collections import OrderedDict
@@ -154,7 +155,14 @@ def reduce_cupy_array(arr):
 def export(cp, arr) -> _Export:
     """The export of ``arr``'s allocation, made if needed; keeps ``arr``'s memory alive."""
     device = arr.device.id
-    base, size = cuda_ipc.address_range(arr.data.ptr)
+    ptr = arr.data.ptr
+    with _lock:  # an allocation already exported needs no driver query
+        ex = next((e for (d, b), e in _exports.items()
+                   if d == device and b <= ptr < b + e.size), None)
+    if ex is None:
+        base, size = cuda_ipc.address_range(ptr)
+    else:
+        base, size = ex.base, ex.size
     with _lock:
         ex = _exports.get((device, base))
         if ex is None:
@@ -183,9 +191,16 @@ def _drop_released() -> int:
     return dropped
 
 
+_devices: dict[str, int] = {}  # PCI bus id -> this process's device index
+
+
 def _local_device(cp, bus_id: str) -> int:
+    device = _devices.get(bus_id)
+    if device is not None:
+        return device
     try:
-        return cp.cuda.runtime.deviceGetByPCIBusId(bus_id)
+        device = _devices[bus_id] = cp.cuda.runtime.deviceGetByPCIBusId(bus_id)
+        return device
     except Exception:
         import os
         raise RuntimeError(
@@ -200,15 +215,41 @@ def _rebuild_empty(shape, dtype, bus_id):
         return cp.empty(shape, dtype)
 
 
+_releases: "queue.SimpleQueue | None" = None
+
+
 def _release(device: int, table_id: str, slot: int) -> None:
+    """The last array on a mapping died: release its lease once the work this process
+    queued on the current stream is done (an event; a helper thread waits, not the caller)."""
+    global _releases
     try:
         import cupy as cp
         with cp.cuda.Device(device):
-            cp.cuda.runtime.deviceSynchronize()  # our own work on the memory comes first
+            ev = cp.cuda.Event(block=False, disable_timing=True)
+            ev.record()
     except Exception:  # interpreter or driver shutting down: dying releases anyway
-        pass
-    ofd_lease.release(table_id, slot)
-    _evict(MAPPED_IDLE_LIMIT)
+        ofd_lease.release(table_id, slot)
+        return
+    with _lock:
+        if _releases is None:
+            _releases = queue.SimpleQueue()
+            threading.Thread(target=_releaser, args=(_releases,), daemon=True,
+                             name="shmtensor-cuda-release").start()
+    _releases.put((ev, device, table_id, slot))
+    if len(_mapped) > MAPPED_IDLE_LIMIT:
+        _evict(MAPPED_IDLE_LIMIT)
+
+
+def _releaser(pending: "queue.SimpleQueue") -> None:
+    import cupy as cp
+    while True:
+        ev, device, table_id, slot = pending.get()
+        try:
+            with cp.cuda.Device(device):
+                ev.synchronize()
+        except Exception:  # the driver is going away with the process
+            pass
+        ofd_lease.release(table_id, slot)
 
 
 def _evict(keep: int) -> int:

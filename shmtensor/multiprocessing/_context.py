@@ -27,7 +27,7 @@ class _ShmProcess:
             return state
         payload = (self._target, self._args, self._kwargs,
                    _strategy.get_sharing_strategy(), _strategy.get_inline_threshold())
-        data, ctx = _reductions.dumps(payload)
+        data, ctx = _reductions.dumps(payload, by_value=True)  # fds go to the child once
         self._shm_send = ctx  # the fds must stay open until the child has them (start())
         state["_target"], state["_args"], state["_kwargs"] = None, (), {}
         state["_shm_payload"] = (bytes(data), [reduction.DupFd(fd) for fd in ctx.wire_fds()])
