@@ -219,15 +219,13 @@ class _Pickler(pickle.Pickler):
             table.update(_OURS)
             table.update(_cupy_reducers())
             cls.dispatch_table, cls._signature = table, sig
+            # the C pickler reads the table when a pickler is made: a class attribute
+            _CloudPickler.dispatch_table = ChainMap(table, cloudpickle.Pickler.dispatch_table)
 
 
 class _CloudPickler(cloudpickle.Pickler):
     """The fallback: the same reducers, and functions or classes that cannot be imported
     by name (lambdas, closures, ``__main__``, notebooks) travel by value (cloudpickle)."""
-
-    def __init__(self, file, protocol=None):
-        super().__init__(file, protocol)
-        self.dispatch_table = ChainMap(_Pickler.dispatch_table, cloudpickle.Pickler.dispatch_table)
 
 
 def _dump(pickler_cls, obj) -> tuple[memoryview, SendContext]:

@@ -49,8 +49,15 @@ def test_lambdas_and_closures_under_spawn(lc):
         assert pool.map(lambda x: x * k, range(4)) == [0, 3, 6, 9]
         a = shmtensor.ones(1000)
         sums = pool.map(lambda arr: float(arr.sum()), [a, a])
+
+        def mark(arr):  # a closure's task: pickled by value, its arrays still shared
+            arr[0] = k
+            return arr
+
+        back = pool.apply(mark, (a,))
     pool.join()
     assert sums == [1000.0, 1000.0]
+    assert a[0] == 3 and back.base is a.base
     ctx = smp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=lambda: q.put(k * 2))
