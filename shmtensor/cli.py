@@ -166,13 +166,18 @@ def cmd_leak_check(args) -> int:
     me = os.getpid()
     proc = subprocess.Popen(args.command)
     tree = {proc.pid}
-    while proc.poll() is None:
+    delay = 0.002  # short commands end fast; long ones are sampled less often (<= 50 ms)
+    while True:
+        try:
+            code = proc.wait(timeout=delay)
+            break
+        except subprocess.TimeoutExpired:
+            pass
         try:
             tree.update(c.pid for c in psutil.Process(me).children(recursive=True))
         except psutil.NoSuchProcess:
             pass
-        time.sleep(0.02)
-    code = proc.returncode
+        delay = min(delay * 2, 0.05)
     for c in psutil.Process(me).children(recursive=True):
         tree.add(c.pid)
     deadline = time.monotonic() + args.timeout
