@@ -104,10 +104,11 @@ def multiply_two(queue, ready, done):
 
 
 def sum_on_device1(inq, outq):
-    with cp().cuda.Device(1):
+    with cp().cuda.Device(1):  # received while device 1 is current...
         arrays = inq.get()
         for a in arrays:
-            outq.put((float(a.sum()), a.device.id, a.size))
+            with a.device:  # ...each array is on its own device (CuPy computes there)
+                outq.put((float(a.sum()), a.device.id, a.size))
 
 
 def bad_fork_child(queue, out):

@@ -104,7 +104,9 @@ def test_cuda_small_arrays_two_gpus(cp, ctx, lc):
     results = [outq.get(timeout=JOIN) for _ in range(5)]
     join_all(p)
     for i, (s, device, size) in enumerate(results):
-        assert s == float(arrays[i].sum()) and device == i % 2 and size == 5
+        with arrays[i].device:  # CuPy computes on the current device: make it the array's
+            expected = float(arrays[i].sum())
+        assert s == expected and device == i % 2 and size == 5
     del arrays
 
 
