@@ -99,8 +99,9 @@ def _watch_loop(pool_ref: "weakref.ref[Pool]", inqueue) -> None:
                 return
         live = _workers.get(inqueue)
         if live is not None and len(live) > 2 * max(1, pool._processes):
-            live[:] = [w for w in live if w.exitcode is None]  # forget the handled dead
-            handled = {id(w) for w in live if w.exitcode is not None}
+            # forget the dead already looked at (never one this pass has not seen)
+            live[:] = [w for w in live if id(w) not in handled]
+            handled = set()
         del pool
 
 
