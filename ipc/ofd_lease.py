@@ -29,7 +29,7 @@ import threading
 
 from .posix_shm import PREFIX, process_tag
 
-__all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "holdings", "hold", "release",
+__all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "hold", "release",
            "inflight_fd", "forget_idle", "probe_held", "before_fork", "after_fork_in_parent", "adopt_table", "table_count", "after_fork_in_child"]
 
 HAVE_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")
@@ -105,10 +105,6 @@ def own_table() -> LeaseTable:
                 _own = LeaseTable()
                 _holdings[_own.id] = _Holding(_own.id, _reopen(_own.fd))
     return _own
-
-
-def holdings(table_id: str) -> _Holding | None:
-    return _holdings.get(table_id)
 
 
 def adopt_table(table_id: str, fd: int) -> _Holding:

@@ -133,10 +133,6 @@ def segment_of(a) -> Segment | None:
     return None
 
 
-def lookup(key: str) -> Segment | None:
-    return _by_key.get(key)
-
-
 def receive(key: str, kind: str, size: int, table_id: str, slot: int, fd: int | None,
             lease_fd: int) -> tuple[np.ndarray, bool]:
     """The anchor of segment ``key`` here, mapping the segment if this process has not
