@@ -198,3 +198,9 @@ class NumpyDataset:
 
 def exit_in_task(x):
     os._exit(9)
+
+
+def slow_scale(a):
+    """A pool task that holds its (shared or copied) array for a while, then returns it."""
+    time.sleep(0.05)
+    return a * 2

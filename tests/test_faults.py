@@ -50,3 +50,37 @@ def test_random_sigkill(strategy, victim, seed, lc):
     for p in (prod, cons):
         named, mapped = _wait_clean(p.pid)
         assert not named and not mapped, (named, mapped)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_sigkill_of_a_pool_worker(strategy, seed, lc):
+    rnd = random.Random(seed)
+    ctx = smp.get_context("spawn")
+    import numpy as np
+    import shmtensor
+    inputs = [shmtensor.full(50_000, i, dtype=np.float64) if i % 2 else
+              np.full(300_000, i, dtype=np.float64) for i in range(40)]
+    pool = ctx.Pool(2)
+    pids = [w.pid for w in pool._pool]
+    for pid in pids:
+        lc.check_pid(pid)
+    result = pool.map_async(helpers.slow_scale, inputs, chunksize=1)
+    time.sleep(rnd.uniform(0.2, 1.0))  # mid-task, in get, in put, holding arrays: wherever
+    os.kill(rnd.choice(pids), signal.SIGKILL)
+    try:
+        outs = result.get(timeout=JOIN)  # finished before the kill landed: all correct
+        assert all((o == 2 * i).all() for i, o in enumerate(outs))
+        del outs
+    except smp.WorkerLostError as e:
+        assert "SIGKILL" in str(e)
+    pool.terminate()
+    pool.join()
+    assert all((a == i).all() for i, a in enumerate(inputs))  # the survivor's data is intact
+    # tasks never taken stay in the pool's queue (holding their segments) until the pool
+    # object goes: let it go, as a program does
+    del inputs, pool, result
+    gc.collect()
+    shmtensor.empty_cache()  # this process's idle mappings of the workers' segments
+    for pid in pids:
+        named, mapped = _wait_clean(pid)
+        assert not named and not mapped, (named, mapped)
