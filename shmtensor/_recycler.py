@@ -175,6 +175,11 @@ def trim(force: bool = False) -> int:
     if not _idle:
         return 0
     now = time.monotonic()
+    if not force and _idle_bytes <= IDLE_BYTES:
+        with _lock:
+            oldest = next(iter(_idle.values()), None)
+        if oldest is None or now - oldest.idle_since <= IDLE_SECONDS[oldest.kind]:
+            return 0  # the common case on every release: nothing is due
     freed = 0
     table = ofd_lease.own_table()
     with _lock:

@@ -53,7 +53,7 @@ class Segment:
                     self._anchor = weakref.ref(a)
                     f = weakref.finalize(a, _anchor_died, self)
                     f.atexit = False
-                    _idle.pop(self.key, None)
+                    _idle_drop(self)
                     if self.own:
                         _own_busy_hook(self)
         return a
@@ -73,8 +73,7 @@ class Segment:
             _close_fd(self)
         if _by_key.get(self.key) is self:
             del _by_key[self.key]
-        if _idle.get(self.key) is self:
-            del _idle[self.key]
+        _idle_drop(self)
 
 
 def _close_fd(seg: Segment) -> None:
@@ -92,6 +91,22 @@ _lock = threading.RLock()
 _by_key: dict[str, Segment] = {}
 _by_buffer: dict[int, Segment] = {}  # id(mapping buffer) -> segment: ends every base chain
 _idle: "OrderedDict[str, Segment]" = OrderedDict()  # attached segments with no live anchor
+_idle_bytes = 0  # their total size, kept as they come and go (evict_idle runs per release)
+
+
+def _idle_put(seg: Segment) -> None:
+    global _idle_bytes
+    if _idle.get(seg.key) is not seg:
+        _idle_bytes += seg.size
+    _idle[seg.key] = seg
+    _idle.move_to_end(seg.key)
+
+
+def _idle_drop(seg: Segment) -> None:
+    global _idle_bytes
+    if _idle.get(seg.key) is seg:
+        del _idle[seg.key]
+        _idle_bytes -= seg.size
 _kept_fds = 0
 _own_busy_hook = lambda seg: None  # noqa: E731 - set by _recycler
 _own_idle_hook = lambda seg: None  # noqa: E731 - set by _recycler
@@ -114,8 +129,7 @@ def _anchor_died(seg: Segment) -> None:
     else:
         with _lock:
             if _by_key.get(seg.key) is seg and not seg.alive():
-                _idle[seg.key] = seg
-                _idle.move_to_end(seg.key)
+                _idle_put(seg)
         evict_idle()
         _attached_idle_hook()
 
@@ -180,20 +194,19 @@ def new_segment(key, kind, size, table_id, slot, own, fd, populate=False) -> Seg
 
 
 def evict_idle(force: bool = False) -> int:
-    """Unmap idle attached segments past the cache limits (all of them with ``force``)."""
+    """Unmap idle attached segments past the cache limits (all of them with ``force``).
+    Oldest first, and it stops at the first one within every limit."""
     now = time.monotonic()
     freed = 0
     with _lock:
-        total = sum(s.size for s in _idle.values())
         while _idle:
-            key, seg = next(iter(_idle.items()))
-            if not (force or len(_idle) > CACHE_IDLE_COUNT or total > CACHE_IDLE_BYTES
+            seg = next(iter(_idle.values()))
+            if not (force or len(_idle) > CACHE_IDLE_COUNT or _idle_bytes > CACHE_IDLE_BYTES
                     or now - seg.idle_since > CACHE_IDLE_SECONDS):
                 break
-            _idle.pop(key)
+            _idle_drop(seg)
             if seg.alive():
                 continue
-            total -= seg.size
             freed += seg.size
             seg.close()
             _stats.bump("segments_evicted")
