@@ -35,31 +35,39 @@ def _relay(ctx, targets, count: int) -> float:
     assert int(result[0]) == count * (count - 1) // 2
     del result
     e.set()
+    t1 = time.perf_counter()
     for p in procs:
         p.join(60)
+    if time.perf_counter() - t1 > 5:
+        print(f"  (stages took {time.perf_counter() - t1:.1f} s to exit; exit codes "
+              f"{[p.exitcode for p in procs]})", flush=True)
     return dt
 
 
-def _shm_send(q, e, count):
+def _shm_send(q, e, count, mode):
     import numpy as np
     import cuda_helpers as ch
-    ch.send_and_delete(q, e, np.int64, count, SIZE)
+    ch.send_and_delete(q, e, np.int64, count, SIZE, mode)
 
 
-def _shm_forward(q1, q2, e, count):
+def _shm_forward(q1, q2, e, count, mode):
     import cuda_helpers as ch
-    ch.receive_and_send(q1, q2, e, count)
+    ch.receive_and_send(q1, q2, e, count, mode)
 
 
-def _shm_sum(q2, q3, e, count):
+def _shm_sum(q2, q3, e, count, mode):
     import numpy as np
     import cuda_helpers as ch
-    ch.receive_and_send_sum(q2, q3, e, np.int64, count, SIZE)
+    ch.receive_and_send_sum(q2, q3, e, np.int64, count, SIZE, mode)
 
 
-def _relay_shm(count: int) -> float:
+def _relay_shm(count: int, mode: str) -> float:
+    """``mode``: "vmm" (each stage allocates with shmtensor.cuda.set_allocator()) or "ipc"
+    (CuPy's default pool, legacy CUDA IPC)."""
+    import functools
     import shmtensor.multiprocessing as smp
-    return _relay(smp.get_context("spawn"), (_shm_send, _shm_forward, _shm_sum), count)
+    stages = tuple(functools.partial(f, mode=mode) for f in (_shm_send, _shm_forward, _shm_sum))
+    return _relay(smp.get_context("spawn"), stages, count)
 
 
 def _torch_send(q, e, count):
@@ -89,20 +97,22 @@ def _relay_torch(count: int) -> float:
     return _relay(tmp.get_context("spawn"), (_torch_send, _torch_forward, _torch_sum), count)
 
 
-def _big_sender(q, e, reps):
+def _big_sender(q, e, reps, mode):
     import cupy as cp
-    a = cp.ones(1 << 27, dtype=cp.float64)  # 1 GiB
+    import shmtensor.cuda
+    make = shmtensor.cuda.ones if mode == "vmm" else cp.ones
+    a = make(1 << 27, dtype=cp.float64)  # 1 GiB
     for _ in range(reps):
         q.put(a)
     e.wait(120)
 
 
-def _big_array(reps: int = 50) -> dict:
+def _big_array(mode: str, reps: int = 50) -> dict:
     import cupy as cp
     import shmtensor.multiprocessing as smp
     ctx = smp.get_context("spawn")
     q, e = ctx.Queue(), ctx.Event()
-    p = ctx.Process(target=_big_sender, args=(q, e, reps))
+    p = ctx.Process(target=_big_sender, args=(q, e, reps, mode))
     p.start()
     t0 = time.perf_counter()
     first = q.get(timeout=120)
@@ -126,10 +136,13 @@ def main() -> int:
     ap.add_argument("--json")
     args = ap.parse_args()
     res = {}
-    shm = {n: _relay_shm(n) for n in (N0, N)}
-    res["shmtensor_relay"] = {"T1000_s": shm[N0], "T10000_s": shm[N], "per_array_s": (shm[N] - shm[N0]) / (N - N0)}
-    print(f"shmtensor relay: 1,000 in {shm[N0]:.2f} s, 10,000 in {shm[N]:.2f} s, "
-          f"{res['shmtensor_relay']['per_array_s'] * 1e6:.0f} us per array past start-up", flush=True)
+    for mode, label in (("vmm", "shmtensor_relay"), ("ipc", "shmtensor_relay_cupy_pool")):
+        shm = {n: _relay_shm(n, mode) for n in (N0, N)}
+        res[label] = {"T1000_s": shm[N0], "T10000_s": shm[N],
+                      "per_array_s": (shm[N] - shm[N0]) / (N - N0)}
+        print(f"shmtensor relay ({'shared VMM allocator' if mode == 'vmm' else 'CuPy pool, legacy IPC'}): "
+              f"1,000 in {shm[N0]:.2f} s, 10,000 in {shm[N]:.2f} s, "
+              f"{res[label]['per_array_s'] * 1e6:.0f} us per array past start-up", flush=True)
     try:
         tor = {n: _relay_torch(n) for n in (N0, N)}
         res["torch_relay"] = {"T1000_s": tor[N0], "T10000_s": tor[N], "per_array_s": (tor[N] - tor[N0]) / (N - N0)}
@@ -140,11 +153,12 @@ def main() -> int:
         print(f"  {'PASS' if ratio >= 5 else 'FAIL'} torch / shmtensor per array = {ratio:.1f}x (want >= 5x)")
     except ImportError:
         print("torch not installed: relay comparison skipped")
-    big = _big_array()
-    res["big_array"] = big
-    print(f"1 GiB array: first get {big['first_get_s'] * 1e3:.1f} ms (opens the allocation), then "
-          f"{big['median_get_s'] * 1e6:.0f} us per get; "
-          f"{'PASS' if big['median_get_s'] < 1e-3 else 'FAIL'} (want < 1 ms)")
+    for mode, label in (("ipc", "big_array"), ("vmm", "big_array_vmm")):
+        big = res[label] = _big_array(mode)
+        print(f"1 GiB array ({mode}): first get {big['first_get_s'] * 1e3:.1f} ms (opens the "
+              f"allocation), then {big['median_get_s'] * 1e6:.0f} us per get; "
+              f"{'PASS' if big['median_get_s'] < 1e-3 and big['values_ok'] else 'FAIL'} "
+              "(want < 1 ms)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

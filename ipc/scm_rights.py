@@ -23,7 +23,7 @@ import array
 import socket
 import struct
 
-__all__ = ["HAVE_SCM_RIGHTS", "MAX_FDS", "send_frame", "recv_frame"]
+__all__ = ["HAVE_SCM_RIGHTS", "MAX_FDS", "send_frame", "try_send_frame", "recv_frame"]
 
 HAVE_SCM_RIGHTS = hasattr(socket, "SCM_RIGHTS") and hasattr(socket.socket, "sendmsg")
 MAX_FDS = 253
@@ -40,21 +40,41 @@ def _anc(fds):
     return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
 
 
+def _header(n: int, fds) -> bytes:
+    if fds:
+        return _WITH_FDS.pack(-2, n, len(fds))
+    if n < 0x7FFFFFFF:
+        return _SMALL.pack(n)
+    return _LARGE.pack(-1, n)
+
+
+def _finish(sock, header, data, sent: int) -> None:
+    if sent < len(header) + len(data):
+        sock.sendall(memoryview(header + bytes(data))[sent:])
+
+
+def try_send_frame(sock: socket.socket, data, fds=()) -> bool:
+    """Send a small frame now if the socket has room (False, nothing sent, if it has not):
+    lets a queue skip its feeder thread while the reader keeps up."""
+    data = memoryview(data).cast("B")
+    if len(fds) > MAX_FDS or len(data) > _INLINE:
+        return False
+    header = _header(len(data), fds)
+    try:
+        sent = sock.sendmsg([header, data], _anc(fds), socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return False
+    _finish(sock, header, data, sent)  # the frame's first byte went: the rest must follow
+    return True
+
+
 def send_frame(sock: socket.socket, data, fds=()) -> None:
     """Send ``data`` (bytes-like) and ``fds`` as one frame."""
     data = memoryview(data).cast("B")
     n = len(data)
-    if fds:
-        header = _WITH_FDS.pack(-2, n, len(fds))
-    elif n < 0x7FFFFFFF:
-        header = _SMALL.pack(n)
-    else:
-        header = _LARGE.pack(-1, n)
+    header = _header(n, fds)
     if len(fds) <= MAX_FDS and n <= _INLINE:
-        sent = sock.sendmsg([header, data], _anc(fds))
-        if sent < len(header) + n:
-            rest = memoryview(header + bytes(data))[sent:]
-            sock.sendall(rest)
+        _finish(sock, header, data, sock.sendmsg([header, data], _anc(fds)))
         return
     _sendall_msg(sock, header, fds[:MAX_FDS])
     for i in range(MAX_FDS, len(fds), MAX_FDS):

@@ -69,7 +69,9 @@ def debug_info() -> dict[str, int]:
     info["lease_tables"] = _ofd_lease.table_count()
     cuda = _sys.modules.get("shmtensor.cuda._ipc")
     info.update(cuda.stats() if cuda is not None else
-                dict.fromkeys(("cuda_exports", "cuda_bytes_exported", "cuda_opened", "cuda_events"), 0))
+                dict.fromkeys(("cuda_exports", "cuda_bytes_exported", "cuda_opened", "cuda_events",
+                               "cuda_vmm_slabs", "cuda_vmm_bytes", "cuda_vmm_blocks_held",
+                               "cuda_vmm_mapped"), 0))
     return info
 
 

@@ -59,6 +59,12 @@ class Connection(_mpc.Connection):
         self._check_writable()
         scm_rights.send_frame(self._sock, data, fds)
 
+    def try_send_frame(self, data, fds) -> bool:
+        """Send now if the socket has room; False (nothing sent) if it has not."""
+        self._check_closed()
+        self._check_writable()
+        return scm_rights.try_send_frame(self._sock, data, fds)
+
     def recv_frame(self):
         self._check_closed()
         self._check_readable()

@@ -4,14 +4,19 @@ They are the stdlib's classes (``isinstance`` and every method work as documente
 socket pair instead of a pipe.  ``put`` pickles at once, in the caller's thread, with
 shmtensor's reducers: an unpicklable object raises in ``put`` rather than in the feeder
 thread, and a large array is copied into shared memory before ``put`` returns, so the
-caller may reuse its buffer.  ``get`` is adapted from CPython 3.11's ``Queue.get``.
+caller may reuse its buffer.  While the reader keeps up, ``put`` also sends in the
+caller's thread (a non-blocking send when nothing is waiting for the feeder): no thread
+hand-off per message.  When the socket is full, frames wait for the feeder as in the
+stdlib, in order.  ``put`` and ``get`` are adapted from CPython 3.11's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from multiprocessing import queues as _mpq
-from queue import Empty
+from queue import Empty, Full
 
 from . import _reductions
 from ._connection import Connection, Pipe, _stash
@@ -32,6 +37,15 @@ class Frame:
         return (int, ())
 
 
+def _feeder_send(writer: Connection, notempty, unsent: list, pickled) -> None:
+    """The feeder thread's send: the stashed frame, then one fewer frame waiting for it."""
+    try:
+        writer._send_stashed(pickled)
+    finally:
+        with notempty:
+            unsent[0] -= 1
+
+
 class _ShmQueue:
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -42,13 +56,43 @@ class _ShmQueue:
 
     def _reset(self, after_fork: bool = False) -> None:
         super()._reset(after_fork) if after_fork else super()._reset()
+        self._unsent = [0]  # frames given to the feeder and not yet sent (under _notempty)
         if isinstance(self._writer, Connection):  # not yet during the stdlib's __init__
-            self._send_bytes = self._writer._send_stashed
+            # not a bound method: the feeder thread must not keep the queue alive
+            self._send_bytes = functools.partial(_feeder_send, self._writer, self._notempty,
+                                                 self._unsent)
+
+    def _send_now(self, frame: Frame) -> bool:
+        """Send ``frame`` in this thread if that keeps the queue's order and the socket has
+        room (caller holds ``_notempty``)."""
+        if self._unsent[0] or (self._wlock is not None and not self._wlock.acquire(False)):
+            return False
+        try:
+            sent = self._writer.try_send_frame(frame.data, frame.ctx.wire_fds())
+        finally:
+            if self._wlock is not None:
+                self._wlock.release()
+        if sent:
+            frame.ctx.release()
+        return sent
 
     def put(self, obj, block: bool = True, timeout: float | None = None) -> None:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        super().put(Frame(obj), block, timeout)
+        frame = Frame(obj)
+        if not self._sem.acquire(block, timeout):
+            raise Full
+        joinable = getattr(self, "_cond", None)
+        with self._notempty, (joinable if joinable is not None else contextlib.nullcontext()):
+            if joinable is not None:
+                self._unfinished_tasks.release()
+            if self._send_now(frame):
+                return
+            if self._thread is None:
+                self._start_thread()
+            self._unsent[0] += 1
+            self._buffer.append(frame)
+            self._notempty.notify()
 
     def get(self, block: bool = True, timeout: float | None = None):
         if self._closed:

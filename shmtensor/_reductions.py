@@ -51,7 +51,7 @@ class SendContext:
 
     def __init__(self) -> None:
         self.fds: list[int] = []
-        self.owned: list[int] = []   # in-flight lock descriptions: closed once sent
+        self.owned: list[int] = []   # fds the message owns (in-flight locks, dups): closed once sent
         self.keep: list = []          # anchors that must outlive the send
         self.inflight: dict[str, tuple[int, list[int]]] = {}
 
@@ -144,6 +144,21 @@ def inflight_index(table_id: str, slot: int) -> int:
 def keep_alive(obj) -> None:
     """Keep ``obj`` alive until the message being pickled has been sent."""
     _send_context().keep.append(obj)
+
+
+def attach_fd(fd: int) -> int:
+    """Send ``fd`` with the message being pickled and close it once sent: its index."""
+    ctx = _send_context()
+    ctx.fds.append(fd)
+    ctx.owned.append(fd)
+    return len(ctx.fds) - 1
+
+
+def take_received_fd(i: int) -> int:
+    """Keep the ``i``-th fd of the message being unpickled (it is not closed after loading)."""
+    fd = received_fd(i)
+    _local.recv.fds[i] = -1
+    return fd
 
 
 def received_fd(i: int) -> int:

@@ -12,6 +12,13 @@ def cp():
     return cupy
 
 
+def use(kind):
+    """Allocate CuPy arrays in shared VMM memory when ``kind`` is "vmm"."""
+    if kind == "vmm":
+        import shmtensor.cuda
+        shmtensor.cuda.set_allocator()
+
+
 def simple_fill(queue, event):
     data = queue.get()
     data[0][:] = 4
@@ -26,7 +33,8 @@ def send_array(queue, event, dtype):
     event.wait(60)
 
 
-def send_and_delete(queue, event, dtype, count, size=5):
+def send_and_delete(queue, event, dtype, count, size=5, kind="ipc"):
+    use(kind)
     for i in range(count):
         t = cp().full([size], i, dtype=dtype)
         queue.put(t)
@@ -34,7 +42,8 @@ def send_and_delete(queue, event, dtype, count, size=5):
     event.wait(120)
 
 
-def receive_and_send_sum(queue, out_queue, event, dtype, count, size=5):
+def receive_and_send_sum(queue, out_queue, event, dtype, count, size=5, kind="ipc"):
+    use(kind)
     s = cp().zeros([size], dtype=dtype)
     for _ in range(count):
         s += queue.get()
@@ -42,7 +51,8 @@ def receive_and_send_sum(queue, out_queue, event, dtype, count, size=5):
     event.wait(120)
 
 
-def receive_and_send(queue, out_queue, event, count):
+def receive_and_send(queue, out_queue, event, count, kind="ipc"):
+    use(kind)
     for _ in range(count):
         t = queue.get()
         out_queue.put(t.copy())
@@ -123,8 +133,9 @@ def bad_fork_child(queue, out):
     out.put(msgs)
 
 
-def slow_writer(queue, value, cycles):
+def slow_writer(queue, value, cycles, kind="ipc"):
     """Launch a kernel that spins, then writes, and send the array without host sync."""
+    use(kind)
     kernel = cp().RawKernel(r'''
     extern "C" __global__ void slow_fill(float* x, int n, float v, long long cycles) {
         long long start = clock64();
@@ -136,3 +147,23 @@ def slow_writer(queue, value, cycles):
     kernel((4,), (256,), (a, np.int32(1024), np.float32(value), np.int64(cycles)))
     queue.put(a)  # no synchronize: ordering comes from the interprocess event
     time.sleep(30)
+
+
+def vmm_producer_then_exit(queue):
+    """Send shared-memory arrays and exit at once: the consumer reads after we are gone."""
+    import shmtensor.cuda
+    big = shmtensor.cuda.full((1 << 20,), 2.5, dtype=np.float64)  # 8 MiB: a slab of its own
+    small = [shmtensor.cuda.full((16,), i, dtype=np.int32) for i in range(50)]
+    grid = shmtensor.cuda.empty((6, 8), dtype=np.float32)
+    grid[...] = cp().arange(48, dtype=np.float32).reshape(6, 8)
+    queue.put((big, small, grid[1:5:2, ::3], grid.T))
+    queue.close()
+    queue.join_thread()
+
+
+def report_mapped(queue, out, event):
+    import shmtensor
+    arrays = queue.get()
+    out.put((sum(int(a.sum()) for a in arrays), shmtensor.debug_info()["cuda_vmm_mapped"]))
+    event.wait(60)
+    del arrays

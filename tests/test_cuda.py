@@ -31,6 +31,15 @@ def ctx():
     return smp.get_context("spawn")
 
 
+@pytest.fixture(params=["ipc", "vmm"])
+def kind(request, cp):
+    """Where this process's CuPy arrays live: CuPy's pool (legacy CUDA IPC) or shared VMM."""
+    if request.param == "vmm":
+        shmtensor.cuda.set_allocator()
+    yield request.param
+    cp.cuda.set_allocator(cp.get_default_memory_pool().malloc)
+
+
 def test_cuda_simple_fill_and_receive(cp, ctx, lc):
     x = cp.zeros((5, 5), dtype=cp.float32)
     q, e = ctx.Queue(), ctx.Event()
@@ -75,12 +84,13 @@ def test_cuda_ipc_deadlock(cp, ctx, lc):
     q.join_thread()
 
 
-def test_cuda_send_many(cp, ctx, lc, count=10_000):
+@pytest.mark.parametrize("mode", ["ipc", "vmm"])
+def test_cuda_send_many(cp, ctx, lc, mode, count=10_000):
     q1, q2, q3 = ctx.Queue(), ctx.Queue(), ctx.Queue()
     e1, e2, e3 = ctx.Event(), ctx.Event(), ctx.Event()
-    p1 = ctx.Process(target=ch.send_and_delete, args=(q1, e1, np.int64, count, 5))
-    p2 = ctx.Process(target=ch.receive_and_send, args=(q1, q2, e2, count))
-    p3 = ctx.Process(target=ch.receive_and_send_sum, args=(q2, q3, e3, np.int64, count, 5))
+    p1 = ctx.Process(target=ch.send_and_delete, args=(q1, e1, np.int64, count, 5, mode))
+    p2 = ctx.Process(target=ch.receive_and_send, args=(q1, q2, e2, count, mode))
+    p3 = ctx.Process(target=ch.receive_and_send_sum, args=(q2, q3, e3, np.int64, count, 5, mode))
     for p in (p1, p2, p3):
         p.start()
     result = q3.get(timeout=600)
@@ -159,9 +169,10 @@ def test_cuda_bad_fork_error(cp):
         assert "spawn or forkserver" in msg
 
 
-def test_cuda_stream_ordering_without_host_sync(cp, ctx, lc):
+@pytest.mark.parametrize("mode", ["ipc", "vmm"])
+def test_cuda_stream_ordering_without_host_sync(cp, ctx, lc, mode):
     q = ctx.Queue()
-    p = ctx.Process(target=ch.slow_writer, args=(q, 7.0, 2_000_000_000))
+    p = ctx.Process(target=ch.slow_writer, args=(q, 7.0, 2_000_000_000, mode))
     p.start()
     a = q.get(timeout=JOIN)
     # the writer's kernel spins ~1 s; our stream waits on its event, the host did not
@@ -171,7 +182,7 @@ def test_cuda_stream_ordering_without_host_sync(cp, ctx, lc):
     join_all(p)
 
 
-def test_cuda_no_reuse_before_consumer_release(cp, ctx, lc):
+def test_cuda_no_reuse_before_consumer_release(cp, kind, ctx, lc):
     q, out, e = ctx.Queue(), ctx.Queue(), ctx.Event()
     p = ctx.Process(target=ch.hold_and_report, args=(q, out, e))
     p.start()
@@ -192,7 +203,7 @@ def test_cuda_no_reuse_before_consumer_release(cp, ctx, lc):
     del b
 
 
-def test_cuda_consumer_sigkill_then_producer_reclaims(cp, ctx, lc):
+def test_cuda_consumer_sigkill_then_producer_reclaims(cp, kind, ctx, lc):
     q, out = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=ch.hold_until_killed, args=(q, out))
     p.start()
@@ -210,7 +221,7 @@ def test_cuda_consumer_sigkill_then_producer_reclaims(cp, ctx, lc):
     assert not shmtensor.cuda.exports()
 
 
-def test_cuda_forwarding_through_three_processes(cp, ctx, lc):
+def test_cuda_forwarding_through_three_processes(cp, kind, ctx, lc):
     q1, q2, out, e1, e2 = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
     p2 = ctx.Process(target=ch.forward, args=(q1, q2, e1))
     p3 = ctx.Process(target=ch.hold_and_report, args=(q2, out, e2))
@@ -230,6 +241,51 @@ def test_cuda_forwarding_through_three_processes(cp, ctx, lc):
         shmtensor.cuda.ipc_collect()
         time.sleep(0.05)
     assert not shmtensor.cuda.exports()
+
+
+def test_vmm_memory_outlives_its_producer(cp, ctx, lc):
+    q = ctx.Queue()
+    p = ctx.Process(target=ch.vmm_producer_then_exit, args=(q,))
+    p.start()
+    join_all(p)  # gone before anything is read
+    assert p.exitcode == 0
+    big, small, view, grid_t = q.get(timeout=JOIN)
+    assert float(big.sum()) == 2.5 * (1 << 20)
+    assert [int(a[0]) for a in small] == list(range(50)) and small[7].shape == (16,)
+    expected = np.arange(48, dtype=np.float32).reshape(6, 8)
+    assert view.shape == (2, 3) and view.strides == (64, 12)
+    assert (cp.asnumpy(view) == expected[1:5:2, ::3]).all()
+    assert grid_t.shape == (8, 6) and (cp.asnumpy(grid_t) == expected.T).all()
+    info = shmtensor.debug_info()
+    assert info["cuda_vmm_mapped"] == 2  # the 8 MiB slab, and one 2 MiB slab of 512 B blocks
+    view[...] = 0  # writable, and still readable after the producer's exit
+    assert float(grid_t.sum()) == float(expected.sum() - expected[1:5:2, ::3].sum())
+    del big, small, view, grid_t
+    shmtensor.cuda.ipc_collect()
+    assert shmtensor.debug_info()["cuda_vmm_mapped"] == 0
+
+
+def test_vmm_small_arrays_share_a_slab_and_come_back_home(cp, ctx, lc):
+    arrays = [shmtensor.cuda.full((100,), i, dtype=cp.int64) for i in range(200)]
+    q = ctx.Queue()
+    q.put(arrays[0])
+    back = q.get(timeout=JOIN)  # sent to ourselves: our own memory, not a new mapping
+    assert back.data.ptr == arrays[0].data.ptr and shmtensor.debug_info()["cuda_vmm_mapped"] == 0
+    del back
+    out, e = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=ch.report_mapped, args=(q, out, e))
+    p.start()
+    q.put(arrays)
+    total, mapped = out.get(timeout=JOIN)
+    assert total == 100 * sum(range(200)) and mapped == 1  # 200 arrays, one 2 MiB slab
+    assert shmtensor.debug_info()["cuda_vmm_slabs"] == 1
+    del arrays
+    e.set()
+    join_all(p)
+    deadline = time.monotonic() + 10
+    while shmtensor.cuda.ipc_collect() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert shmtensor.debug_info()["cuda_vmm_slabs"] == 0 and not shmtensor.cuda.exports()
 
 
 def test_importing_shmtensor_does_not_initialise_cuda():

@@ -1,5 +1,11 @@
 """CUDA: CuPy arrays and interprocess events through shmtensor channels.
 
+Any CuPy array crosses by legacy CUDA IPC (its producer keeps the memory until every
+consumer has let go, so it must stay alive until then).  Arrays made by :func:`empty`,
+:func:`zeros` and friends, or by CuPy while :func:`set_allocator` / :func:`using_allocator`
+is in force, live in CUDA VMM memory shared by file descriptor: their producer may exit
+while consumers still read, and small ones are sub-allocated from 2 MiB slabs.
+
 Nothing here initialises CUDA or imports CuPy until an array is actually sent or
 received: ``is_available()`` and ``device_count()`` ask NVML (respecting
 ``CUDA_VISIBLE_DEVICES``).  Without CuPy, everything else in shmtensor works and the CUDA
@@ -14,7 +20,9 @@ from ipc import cuda_ipc
 from . import _ipc
 from ._ipc import IpcEvent
 
-__all__ = ["is_available", "device_count", "ipc_collect", "exports", "IpcEvent"]
+__all__ = ["is_available", "device_count", "ipc_collect", "exports", "IpcEvent", "malloc",
+           "set_allocator", "using_allocator", "empty", "zeros", "ones", "full", "empty_like",
+           "zeros_like"]
 
 
 def device_count() -> int:
@@ -39,3 +47,53 @@ def ipc_collect() -> int:
 def exports() -> list[dict]:
     """Device allocations this process keeps for other processes, and whether still held."""
     return _ipc.exports()
+
+
+def malloc(nbytes: int):
+    """CuPy allocator for shared device memory (VMM, outlives its producer): pass it to
+    ``cupy.cuda.set_allocator`` or use :func:`set_allocator` / :func:`using_allocator`."""
+    from . import _vmm
+    return _vmm.malloc(nbytes)
+
+
+def set_allocator() -> None:
+    """Make every CuPy allocation in this process shared device memory (see :func:`malloc`)."""
+    cp = _ipc.cupy()
+    cp.cuda.set_allocator(malloc)
+
+
+def using_allocator():
+    """Context manager: CuPy allocations on this thread are shared device memory inside."""
+    cp = _ipc.cupy()
+    return cp.cuda.using_allocator(malloc)
+
+
+def _make(fn, *args, **kwargs):
+    with using_allocator():
+        return fn(*args, **kwargs)
+
+
+def empty(shape, dtype=float, order="C"):
+    """An uninitialised CuPy array in shared device memory (current device)."""
+    return _make(_ipc.cupy().empty, shape, dtype, order)
+
+
+def zeros(shape, dtype=float, order="C"):
+    """A CuPy array of zeros in shared device memory (current device)."""
+    return _make(_ipc.cupy().zeros, shape, dtype, order)
+
+
+def ones(shape, dtype=float, order="C"):
+    return _make(_ipc.cupy().ones, shape, dtype, order)
+
+
+def full(shape, fill_value, dtype=None, order="C"):
+    return _make(_ipc.cupy().full, shape, fill_value, dtype, order)
+
+
+def empty_like(a, dtype=None, order="K", shape=None):
+    return _make(_ipc.cupy().empty_like, a, dtype, order, shape=shape)
+
+
+def zeros_like(a, dtype=None, order="K", shape=None):
+    return _make(_ipc.cupy().zeros_like, a, dtype, order, shape=shape)

@@ -16,10 +16,10 @@ the memory until the third process lets go too.  The producer drops released exp
 
 from __future__ import annotations
 
-import queue
+import sys
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from ipc import cuda_ipc, ofd_lease
 
@@ -133,6 +133,9 @@ def reduce_cupy_array(arr):
         return _rebuild_empty, (arr.shape, arr.dtype.str, bus_id)
     mem = arr.data.mem
     owner = getattr(mem, "_owner", None) if isinstance(mem, cp.cuda.UnownedMemory) else None
+    vmm = sys.modules.get("shmtensor.cuda._vmm")
+    if vmm is not None and isinstance(owner, vmm.SHARED_OWNERS):
+        return vmm.reduce_array(cp, arr, mem, owner)
     with cp.cuda.Device(arr.device.id):
         if isinstance(owner, _Use):  # forwarding what we received: same handle, same slot
             m = owner.mapping
@@ -177,9 +180,11 @@ def export(cp, arr) -> _Export:
 def collect() -> int:
     """Drop exports nobody holds any more (their memory returns to CuPy's pool) and close
     the idle mappings of other processes' memory.  Returns the exports dropped."""
+    _drain(block=True)  # releases waiting for this process's device work
     if _mapped:
         _evict(0)
-    return _drop_released()
+    vmm = sys.modules.get("shmtensor.cuda._vmm")
+    return _drop_released() + (vmm.collect() if vmm is not None else 0)
 
 
 def _drop_released() -> int:
@@ -218,41 +223,85 @@ def _rebuild_empty(shape, dtype, bus_id):
         return cp.empty(shape, dtype)
 
 
-_releases: "queue.SimpleQueue | None" = None
+# Releases wait for this process's work on the memory: an event per release, drained in
+# order by whoever releases next (non-blocking) and by a helper thread that wakes at most
+# every DRAIN_S while some are pending, so no thread hand-off happens per array.
+_pending: "deque[tuple]" = deque()  # (event, device, table_id, slot, done), oldest first
+_drain_lock = threading.Lock()
+_wake = threading.Event()
+_idle_events: dict[int, list] = {}  # device -> recorded-and-done events to record again
+_releaser_started = False
+DRAIN_S = 0.002
 
 
-def _release(device: int, table_id: str, slot: int) -> None:
-    """The last array on a mapping died: release its lease once the work this process
-    queued on the current stream is done (an event; a helper thread waits, not the caller)."""
-    global _releases
+def _release(device: int, table_id: str, slot: int, done=None) -> None:
+    """The last array on a mapping (or VMM block) died: release its lease once the work this
+    process queued on the current stream is done, then call ``done``."""
+    global _releaser_started
     try:
         import cupy as cp
         with cp.cuda.Device(device):
-            ev = cp.cuda.Event(block=False, disable_timing=True)
+            idle = _idle_events.get(device)
+            ev = idle.pop() if idle else cp.cuda.Event(block=False, disable_timing=True)
             ev.record()
     except Exception:  # interpreter or driver shutting down: dying releases anyway
         ofd_lease.release(table_id, slot)
         return
-    with _lock:
-        if _releases is None:
-            _releases = queue.SimpleQueue()
-            threading.Thread(target=_releaser, args=(_releases,), daemon=True,
-                             name="shmtensor-cuda-release").start()
-    _releases.put((ev, device, table_id, slot))
+    _pending.append((ev, device, table_id, slot, done))
+    _drain(block=False)
+    if _pending and not _wake.is_set():
+        if not _releaser_started:
+            with _lock:
+                if not _releaser_started:
+                    threading.Thread(target=_releaser, daemon=True,
+                                     name="shmtensor-cuda-release").start()
+                    _releaser_started = True
+        _wake.set()
     if len(_mapped) > MAPPED_IDLE_LIMIT:
         _evict(MAPPED_IDLE_LIMIT)
 
 
-def _releaser(pending: "queue.SimpleQueue") -> None:
-    import cupy as cp
+def _drain(block: bool) -> None:
+    """Release, oldest first, the leases whose events are done (``block``: wait for them)."""
+    if not _drain_lock.acquire(blocking=block):
+        return  # another thread is draining
+    try:
+        while _pending:
+            ev, device, table_id, slot, done = _pending[0]
+            if block:
+                try:
+                    ev.synchronize()
+                except Exception:  # the driver is going away with the process
+                    pass
+            elif not ev.done:
+                break
+            _pending.popleft()
+            ofd_lease.release(table_id, slot)
+            _idle_events.setdefault(device, []).append(ev)
+            if done is not None:
+                try:
+                    done()
+                except Exception:  # shutting down
+                    pass
+    finally:
+        _drain_lock.release()
+
+
+def _releaser() -> None:
+    import time
     while True:
-        ev, device, table_id, slot = pending.get()
-        try:
-            with cp.cuda.Device(device):
-                ev.synchronize()
-        except Exception:  # the driver is going away with the process
-            pass
-        ofd_lease.release(table_id, slot)
+        _wake.wait()
+        _wake.clear()
+        time.sleep(DRAIN_S)
+        _drain(block=True)
+
+
+def wait_event(cp, event_handle: bytes) -> None:
+    """Make the current stream wait for another process's interprocess event."""
+    ev = _opened_events.get(event_handle)
+    if ev is None:
+        ev = _opened_events[event_handle] = cp.cuda.runtime.ipcOpenEventHandle(event_handle)
+    cp.cuda.runtime.streamWaitEvent(cp.cuda.get_current_stream().ptr, ev)
 
 
 def _evict(keep: int) -> int:
@@ -306,10 +355,7 @@ def _rebuild_cupy_array(handle, bus_id, size, offset, shape, strides, dtype, tab
             use = _use_of(m, lease_fd)
             mem = cp.cuda.UnownedMemory(m.ptr, size, use, device)
         if event_handle is not None:
-            ev = _opened_events.get(event_handle)
-            if ev is None:
-                ev = _opened_events[event_handle] = cp.cuda.runtime.ipcOpenEventHandle(event_handle)
-            cp.cuda.runtime.streamWaitEvent(cp.cuda.get_current_stream().ptr, ev)
+            wait_event(cp, event_handle)
         return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
 
 
@@ -363,12 +409,20 @@ def exports() -> list[dict]:
     """The exports this process keeps for other processes (for leak checks and debugging)."""
     table = ofd_lease.own_table() if _exports else None
     with _lock:
-        return [{"device": ex.device, "base": ex.base, "size": ex.size, "slot": ex.slot,
-                 "held": table.is_held(ex.slot)} for ex in _exports.values()]
+        out = [{"kind": "ipc", "device": ex.device, "base": ex.base, "size": ex.size,
+                "slot": ex.slot, "held": table.is_held(ex.slot)} for ex in _exports.values()]
+    vmm = sys.modules.get("shmtensor.cuda._vmm")
+    return out + (vmm.exports() if vmm is not None else [])
 
 
 def stats() -> dict[str, int]:
+    vmm = sys.modules.get("shmtensor.cuda._vmm")
     with _lock:
-        return {"cuda_exports": len(_exports),
-                "cuda_bytes_exported": sum(e.size for e in _exports.values()),
-                "cuda_opened": len(_mapped), "cuda_events": _events_made}
+        out = {"cuda_exports": len(_exports),
+               "cuda_bytes_exported": sum(e.size for e in _exports.values()),
+               "cuda_opened": len(_mapped), "cuda_events": _events_made}
+    out.update(vmm.stats() if vmm is not None else dict.fromkeys(_VMM_STATS, 0))
+    return out
+
+
+_VMM_STATS = ("cuda_vmm_slabs", "cuda_vmm_bytes", "cuda_vmm_blocks_held", "cuda_vmm_mapped")

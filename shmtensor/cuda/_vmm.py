@@ -1,0 +1,358 @@
+"""Device memory that outlives its producer: CUDA VMM slabs, sub-allocated, shared by fd.
+
+Producer: :func:`malloc` is a CuPy allocator.  A request up to ``SMALL_MAX`` takes a block
+of its power-of-two size class (at least ``MIN_BLOCK``) from a *slab*: one VMM allocation
+of the device's granularity (2 MiB), cut into equal blocks.  Larger requests get a slab of
+their own.  A slab is mapped here once and its POSIX fd kept; every message that carries an
+array on it carries a duplicate of that fd, so a consumer needs nothing from the producer
+process afterwards (the driver frees the memory when the last mapping and fd are gone).
+Each block gets a lease slot when first sent; a block freed here while another process
+holds its slot waits in ``_held`` and is reused only once released.
+
+Consumer: maps each slab once (``_maps``, keyed by the producer's table and the slab's
+serial) and keeps its fd (the driver will not re-export an imported handle, so forwarding
+sends that fd on).  Arrays on one block share a ``_VUse`` that holds the block's lease; the
+last one's death releases it after this process's work on the device is done.  Idle
+mappings are unmapped past ``MAPPED_IDLE_LIMIT`` (or ``MAPPED_IDLE_BYTES``) and by
+:func:`collect`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections import OrderedDict, deque
+
+from ipc import cuda_ipc, cuda_vmm, ofd_lease
+
+from .. import _reductions
+from . import _ipc
+
+SMALL_MAX = 1 << 20         # requests up to this many bytes share slabs
+MIN_BLOCK = 512             # smallest block (CuPy's own pool rounds to 512 B too)
+PROBE = 16                  # held blocks probed per allocation before making a new slab
+MAPPED_IDLE_LIMIT = 64      # idle slabs of other processes kept mapped (each keeps an fd)
+MAPPED_IDLE_BYTES = 1 << 30
+
+_lock = threading.RLock()
+_serial = 0
+_slabs: dict[str, "_Slab"] = {}                      # own slabs by key
+_free: dict[tuple, list] = {}                        # (device, stream, block) -> [(slab, i)]
+_held: dict[tuple, deque] = {}                       # same keys: freed here, held elsewhere
+_maps: "OrderedDict[str, _SlabMap]" = OrderedDict()  # other processes' slabs, LRU
+_uses: "weakref.WeakValueDictionary[tuple, _VUse]" = weakref.WeakValueDictionary()
+_granularity: dict[int, int] = {}
+_bus_ids: dict[int, str] = {}
+
+
+class _Slab:
+    """One VMM allocation made here: mapped at ``ptr``, ``fd`` its exported handle."""
+
+    __slots__ = ("key", "device", "bus_id", "ptr", "size", "fd", "block", "slots", "live",
+                 "event", "event_handle")
+
+    def __reduce__(self):
+        return _reduce_slab(self)
+
+
+class _SlabMap:
+    """Another process's slab mapped here; ``users``: blocks of it held by live arrays."""
+
+    __slots__ = ("key", "device", "bus_id", "ptr", "size", "fd", "users", "event",
+                 "event_handle")
+
+    def __reduce__(self):
+        return _reduce_slab(self)
+
+
+class _Block:
+    """Owner of one allocated block in its producer: its death frees the block."""
+
+    __slots__ = ("slab", "index", "stream")
+
+    def __del__(self) -> None:
+        try:
+            _free_block(self.slab, self.index, self.stream)
+        except Exception:  # interpreter shutdown: the driver frees everything with us
+            pass
+
+
+class _VUse:
+    """Owner of the arrays built on one received block: holds the block's lease."""
+
+    __slots__ = ("slab", "table_id", "slot", "__weakref__")
+
+
+SHARED_OWNERS = (_Block, _VUse)
+
+
+def _block_size(device: int, nbytes: int) -> int:
+    if nbytes <= SMALL_MAX:
+        return max(MIN_BLOCK, 1 << max(0, nbytes - 1).bit_length())
+    g = _granularity[device]
+    return -(-nbytes // g) * g
+
+
+def _prepare(cp, device: int) -> None:
+    """Check once per device that VMM with POSIX fds works there; learn its granularity."""
+    if device in _bus_ids:
+        return
+    if not cuda_vmm.supported(device):
+        raise RuntimeError(
+            f"GPU {device} does not support CUDA virtual memory with POSIX file descriptors "
+            "(needs Linux outside WSL and a GPU/vGPU with VMM): allocate with CuPy's default "
+            "allocator instead; such arrays still cross processes by CUDA IPC, but their "
+            "producer must stay alive until every consumer has let go")
+    _bus_ids[device] = cp.cuda.runtime.deviceGetPCIBusId(device)
+    _granularity[device] = cuda_vmm.granularity(device)
+
+
+def _new_slab(cp, device: int, block: int, key: tuple) -> tuple["_Slab", int]:
+    global _serial
+    size = max(block, _granularity[device])
+    try:
+        handle = cuda_vmm.create(device, size)
+    except cuda_ipc.CudaIpcError as e:
+        if "OUT_OF_MEMORY" not in str(e):
+            raise
+        collect()  # give back what is free here and in CuPy's pool, then try once more
+        cp.get_default_memory_pool().free_all_blocks()
+        try:
+            handle = cuda_vmm.create(device, size)
+        except cuda_ipc.CudaIpcError:
+            raise cp.cuda.memory.OutOfMemoryError(size, 0) from e
+    try:
+        ptr = cuda_vmm.map_handle(device, handle, size)
+        try:
+            fd = cuda_vmm.export_fd(device, handle)
+        except BaseException:
+            cuda_vmm.unmap(device, ptr, size)
+            raise
+    finally:
+        cuda_vmm.release(device, handle)  # the mapping (and the fd) keep the memory
+    s = _Slab()
+    _serial += 1
+    s.key = f"{ofd_lease.own_table().id}.{_serial}"
+    s.device, s.bus_id, s.ptr, s.size, s.fd, s.block = (device, _bus_ids[device], ptr, size,
+                                                          fd, block)
+    n = size // block
+    s.slots = [0] * n
+    s.live = 1
+    s.event = s.event_handle = None
+    _slabs[s.key] = s
+    if n > 1:
+        _free.setdefault(key, []).extend((s, i) for i in range(n - 1, 0, -1))
+    return s, 0
+
+
+def _reclaim(key: tuple):
+    """A block freed here earlier whose lease nobody holds any more, or None."""
+    held = _held.get(key)
+    if not held:
+        return None
+    table = ofd_lease.own_table()
+    for _ in range(min(PROBE, len(held))):
+        slab, i = held.popleft()
+        if not table.is_held(slab.slots[i]):
+            return slab, i
+        held.append((slab, i))
+    return None
+
+
+def _free_block(slab: _Slab, index: int, stream: int) -> None:
+    slot = slab.slots[index]
+    key = (slab.device, stream, slab.block)
+    with _lock:
+        if slot and ofd_lease.own_table().is_held(slot):
+            _held.setdefault(key, deque()).append((slab, index))
+        else:
+            _free.setdefault(key, []).append((slab, index))
+            slab.live -= 1
+
+
+def malloc(nbytes: int):
+    """CuPy allocator: ``nbytes`` of shared device memory on the current device and stream
+    (what ``cupy.cuda.set_allocator(shmtensor.cuda.malloc)`` installs)."""
+    cp = _ipc.cupy()
+    device = cp.cuda.runtime.getDevice()
+    stream = cp.cuda.get_current_stream().ptr
+    with _lock:
+        _prepare(cp, device)
+        block = _block_size(device, nbytes)
+        key = (device, stream, block)
+        free = _free.get(key)
+        if free:
+            slab, i = free.pop()
+            slab.live += 1
+        else:
+            found = _reclaim(key)
+            slab, i = found if found is not None else _new_slab(cp, device, block, key)
+    b = _Block()
+    b.slab, b.index, b.stream = slab, i, stream
+    mem = cp.cuda.UnownedMemory(slab.ptr + i * block, max(nbytes, 1), b, device)
+    return cp.cuda.MemoryPointer(mem, 0)
+
+
+def reduce_array(cp, arr, mem, owner):
+    """An array on shared memory: the slab (its fd travels once per message), the array's
+    place in it, and the block's lease (this process's, or the producer's when forwarding)."""
+    if isinstance(owner, _Block):
+        slab, table_id = owner.slab, ofd_lease.own_table().id
+        slot = slab.slots[owner.index]
+        if not slot:
+            slot = slab.slots[owner.index] = ofd_lease.own_table().new_slot()
+    else:
+        slab, table_id, slot = owner.slab, owner.table_id, owner.slot
+    _reductions.keep_alive(mem)
+    with cp.cuda.Device(slab.device):
+        ev = _ipc._order(cp, slab)
+    lock_i = _reductions.inflight_index(table_id, slot)
+    return _rebuild_array, (slab, arr.data.ptr - slab.ptr, arr.shape, arr.strides,
+                            arr.dtype.str, table_id, slot, lock_i,
+                            None if ev is None else bytes(ev))
+
+
+def _reduce_slab(s):
+    fd = os.dup(s.fd)  # the message owns its copy: closed once sent
+    i = _reductions.attach_fd(fd)
+    return _rebuild_slab, (s.key, s.bus_id, s.size, i)
+
+
+def _rebuild_slab(key: str, bus_id: str, size: int, fd_i: int):
+    s = _slabs.get(key)
+    if s is not None:  # back where it was made: this process's own mapping
+        return s
+    with _lock:
+        m = _maps.get(key)
+        if m is not None:
+            _maps.move_to_end(key)
+            return m
+        cp = _ipc.cupy()
+        device = _ipc._local_device(cp, bus_id)
+        fd = _reductions.received_fd(fd_i)
+        handle = cuda_vmm.import_fd(device, fd)
+        try:
+            ptr = cuda_vmm.map_handle(device, handle, size)
+        finally:
+            cuda_vmm.release(device, handle)
+        m = _SlabMap()
+        m.key, m.device, m.bus_id, m.ptr, m.size = key, device, bus_id, ptr, size
+        m.fd = _reductions.take_received_fd(fd_i)
+        m.users = 0
+        m.event = m.event_handle = None
+        _maps[key] = m
+        return m
+
+
+def _rebuild_array(s, offset, shape, strides, dtype, table_id, slot, lock_i, event_handle):
+    cp = _ipc.cupy()
+    lease_fd = _reductions.received_fd(lock_i)
+    k = (table_id, slot)
+    with _lock:
+        use = _uses.get(k)
+        if use is None:
+            ofd_lease.hold(table_id, slot, lease_fd)
+            use = _uses[k] = _VUse()
+            use.slab, use.table_id, use.slot = s, table_id, slot
+            done = None
+            if isinstance(s, _SlabMap):
+                s.users += 1
+                done = lambda: _map_released(s)  # noqa: E731
+            f = weakref.finalize(use, _ipc._release, s.device, table_id, slot, done)
+            f.atexit = False
+    mem = cp.cuda.UnownedMemory(s.ptr, s.size, use, s.device)
+    with cp.cuda.Device(s.device):
+        if event_handle is not None:
+            if isinstance(s, _Slab):  # our own event: wait on it directly
+                cp.cuda.get_current_stream().wait_event(s.event)
+            else:
+                _ipc.wait_event(cp, event_handle)
+        return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
+
+
+def _map_released(m: _SlabMap) -> None:
+    with _lock:
+        m.users -= 1
+        if len(_maps) > MAPPED_IDLE_LIMIT or m.size > _granularity_of(m.device):
+            _evict(MAPPED_IDLE_LIMIT, MAPPED_IDLE_BYTES)
+
+
+def _granularity_of(device: int) -> int:
+    g = _granularity.get(device)
+    if g is None:
+        g = _granularity[device] = cuda_vmm.granularity(device)
+    return g
+
+
+def _evict(keep: int, keep_bytes: int) -> int:
+    """Unmap idle mappings of other processes' slabs, oldest first, beyond ``keep`` of them
+    and ``keep_bytes`` in all."""
+    with _lock:
+        idle = [m for m in _maps.values() if m.users == 0]
+        total = sum(m.size for m in idle)
+        gone = []
+        for m in idle:
+            if len(idle) - len(gone) <= keep and total <= keep_bytes:
+                break
+            gone.append(_maps.pop(m.key))
+            total -= m.size
+    for m in gone:
+        _unmap(m.device, m.ptr, m.size, m.fd)
+    return len(gone)
+
+
+def _unmap(device: int, ptr: int, size: int, fd: int) -> None:
+    try:
+        cuda_vmm.unmap(device, ptr, size)
+    except Exception:  # shutting down: the driver unmaps with the process
+        pass
+    os.close(fd)
+
+
+def collect() -> int:
+    """Reclaim blocks whose consumers let go, give back slabs with nothing live in them (the
+    driver frees their memory once no other process maps them) and unmap idle mappings of
+    other processes' slabs.  Returns the slabs given back."""
+    table = ofd_lease.own_table() if _slabs else None
+    with _lock:
+        for key, held in list(_held.items()):
+            for _ in range(len(held)):
+                slab, i = held.popleft()
+                if table.is_held(slab.slots[i]):
+                    held.append((slab, i))
+                else:
+                    _free.setdefault(key, []).append((slab, i))
+                    slab.live -= 1
+        empty = [s for s in _slabs.values() if s.live == 0]
+        for s in empty:
+            del _slabs[s.key]
+        if empty:
+            for key, free in list(_free.items()):
+                free[:] = [(s, i) for s, i in free if s.key in _slabs]
+    if empty:
+        import cupy as cp
+        for device in {s.device for s in empty}:
+            with cp.cuda.Device(device):
+                cp.cuda.Device(device).synchronize()  # our own work on them is done
+    for s in empty:
+        _unmap(s.device, s.ptr, s.size, s.fd)
+    _evict(0, 0)
+    return len(empty)
+
+
+def exports() -> list[dict]:
+    """Blocks freed here that other processes still hold (or that wait for :func:`collect`)."""
+    table = ofd_lease.own_table() if _slabs else None
+    with _lock:
+        return [{"kind": "vmm", "device": s.device, "base": s.ptr + i * s.block,
+                 "size": s.block, "slot": s.slots[i], "held": table.is_held(s.slots[i])}
+                for held in list(_held.values()) for s, i in list(held)]
+
+
+def stats() -> dict[str, int]:
+    with _lock:
+        return {"cuda_vmm_slabs": len(_slabs),
+                "cuda_vmm_bytes": sum(s.size for s in _slabs.values()),
+                "cuda_vmm_blocks_held": sum(len(h) for h in _held.values()),
+                "cuda_vmm_mapped": len(_maps)}
