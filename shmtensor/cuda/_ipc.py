@@ -3,7 +3,7 @@
 Producer: an array's allocation base (``cuMemGetAddressRange``; CuPy's pool sub-allocates)
 is *exported* once: an IPC handle, a lease slot in this process's lease table, and
 references that keep the memory out of CuPy's pool while any process holds the slot.  Each
-send records the export's interprocess event on the current stream (the consumer's stream
+send whose stream still has work queued records an interprocess event on it (the consumer's stream
 waits on it, the host does not) and carries an in-flight lock on the slot.
 
 Consumer: opens each handle once and keeps it open (up to ``MAPPED_IDLE_LIMIT`` idle ones,
@@ -26,14 +26,18 @@ from ipc import cuda_ipc, ofd_lease
 from .. import _reductions
 
 _IPC_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
-EVENT_CAP = 4096    # interprocess events per process; past it, senders synchronize instead
+# Interprocess events per device, recorded round-robin: re-recording an event another
+# process is still waiting on costs ~0.1 ms per send, so a ring keeps them apart.
+RING = 64
 
 _lock = threading.RLock()
 _exports: dict[tuple[int, int], "_Export"] = {}
 _mapped: "OrderedDict[bytes, _Mapping]" = OrderedDict()  # handle -> open mapping, LRU
 MAPPED_IDLE_LIMIT = 1024  # idle open mappings kept per process (closing costs ~90 us)
 _opened_events: dict[bytes, int] = {}       # event handle -> opened event pointer
-_events_made = 0
+_rings: dict[int, list] = {}                # device -> [(event, handle)], up to RING
+_ring_next: dict[int, int] = {}
+_own_events: dict[bytes, object] = {}       # handle -> this process's own ring event
 
 
 def cupy():
@@ -48,8 +52,7 @@ def cupy():
 
 
 class _Export:
-    __slots__ = ("slot", "handle", "base", "size", "device", "bus_id", "refs", "event",
-                 "event_handle", "pending")
+    __slots__ = ("slot", "handle", "base", "size", "device", "bus_id", "refs", "pending")
 
     def __init__(self, cp, device: int, base: int, size: int) -> None:
         self.device, self.base, self.size = device, base, size
@@ -57,7 +60,6 @@ class _Export:
         self.bus_id = cp.cuda.runtime.deviceGetPCIBusId(device)
         self.slot = ofd_lease.own_table().new_slot()
         self.refs: dict[int, object] = {}
-        self.event = self.event_handle = None
         self.pending = 0  # messages pickled but not yet sent: no in-flight lock covers them
 
 
@@ -80,8 +82,8 @@ class _Mapping:
     """An IPC handle opened in this process.  It stays open while idle (a later message
     for the same allocation needs no new open) until evicted or :func:`collect`."""
 
-    __slots__ = ("ptr", "device", "handle", "bus_id", "size", "table_id", "slot", "event",
-                 "event_handle", "use", "__weakref__")
+    __slots__ = ("ptr", "device", "handle", "bus_id", "size", "table_id", "slot", "use",
+                 "__weakref__")
 
 
 class _Use:
@@ -103,27 +105,30 @@ def _use_of(m: _Mapping, lease_fd: int) -> _Use:
     return use
 
 
-def _new_event(cp):
-    global _events_made
-    if _events_made >= EVENT_CAP:
-        return None, None
-    try:
-        ev = cp.cuda.Event(block=False, disable_timing=True, interprocess=True)
-    except Exception:  # out of event resources: fall back to synchronizing
-        return None, None
-    _events_made += 1
-    return ev, cp.cuda.runtime.ipcGetEventHandle(ev.ptr)
-
-
-def _order(cp, holder) -> bytes | None:
-    """Record ``holder``'s interprocess event on the current stream (or synchronize)."""
-    if holder.event is None:
-        holder.event, holder.event_handle = _new_event(cp)
-    if holder.event is None:
-        cp.cuda.get_current_stream().synchronize()
+def _order(cp, device: int) -> bytes | None:
+    """Order the current stream's queued work before the receiver's use: the handle of a
+    ring event recorded on it, or None when the stream has nothing queued (or, with no
+    interprocess event to be had, after synchronizing it)."""
+    stream = cp.cuda.get_current_stream()
+    if stream.done:
         return None
-    holder.event.record(cp.cuda.get_current_stream())
-    return holder.event_handle
+    ring = _rings.setdefault(device, [])
+    i = _ring_next.get(device, 0)
+    if i >= len(ring):
+        try:
+            ev = cp.cuda.Event(block=False, disable_timing=True, interprocess=True)
+            handle = bytes(cp.cuda.runtime.ipcGetEventHandle(ev.ptr))
+            ring.append((ev, handle))
+            _own_events[handle] = ev
+        except Exception:  # out of event resources: reuse what there is, or synchronize
+            if not ring:
+                stream.synchronize()
+                return None
+            i = 0
+    ev, handle = ring[i]
+    _ring_next[device] = (i + 1) % RING
+    ev.record(stream)
+    return handle
 
 
 def reduce_cupy_array(arr):
@@ -139,20 +144,20 @@ def reduce_cupy_array(arr):
     with cp.cuda.Device(arr.device.id):
         if isinstance(owner, _Use):  # forwarding what we received: same handle, same slot
             m = owner.mapping
-            ev = _order(cp, m)
+            ev = _order(cp, m.device)
             table_id, slot = m.table_id, m.slot
             handle, bus_id, size, base = m.handle, m.bus_id, m.size, m.ptr
             _reductions.keep_alive(mem)
         else:
             ex = export(cp, arr)
             _reductions.keep_alive(_Pending(ex))
-            ev = _order(cp, ex)
+            ev = _order(cp, ex.device)
             table_id, slot = ofd_lease.own_table().id, ex.slot
             handle, bus_id, size, base = ex.handle, ex.bus_id, ex.size, ex.base
     lock_i = _reductions.inflight_index(table_id, slot)
     return _rebuild_cupy_array, (bytes(handle), bus_id, size, arr.data.ptr - base, arr.shape,
                                  arr.strides, arr.dtype.str, table_id, slot, lock_i,
-                                 None if ev is None else bytes(ev))
+                                 ev)
 
 
 def export(cp, arr) -> _Export:
@@ -297,7 +302,11 @@ def _releaser() -> None:
 
 
 def wait_event(cp, event_handle: bytes) -> None:
-    """Make the current stream wait for another process's interprocess event."""
+    """Make the current stream wait for a sender's ring event (the host does not wait)."""
+    own = _own_events.get(event_handle)
+    if own is not None:  # sent to ourselves
+        cp.cuda.get_current_stream().wait_event(own)
+        return
     ev = _opened_events.get(event_handle)
     if ev is None:
         ev = _opened_events[event_handle] = cp.cuda.runtime.ipcOpenEventHandle(event_handle)
@@ -349,7 +358,7 @@ def _rebuild_cupy_array(handle, bus_id, size, offset, shape, strides, dtype, tab
                     m = _Mapping()
                     m.ptr = cp.cuda.runtime.ipcOpenMemHandle(handle, _IPC_LAZY_PEER)
                     m.device, m.handle, m.bus_id, m.size = device, handle, bus_id, size
-                    m.table_id, m.slot, m.event, m.event_handle, m.use = table_id, slot, None, None, None
+                    m.table_id, m.slot, m.use = table_id, slot, None
                     _mapped[handle] = m
             _mapped.move_to_end(handle)
             use = _use_of(m, lease_fd)
@@ -420,7 +429,7 @@ def stats() -> dict[str, int]:
     with _lock:
         out = {"cuda_exports": len(_exports),
                "cuda_bytes_exported": sum(e.size for e in _exports.values()),
-               "cuda_opened": len(_mapped), "cuda_events": _events_made}
+               "cuda_opened": len(_mapped), "cuda_events": len(_own_events)}
     out.update(vmm.stats() if vmm is not None else dict.fromkeys(_VMM_STATS, 0))
     return out
 

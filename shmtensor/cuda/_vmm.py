@@ -49,8 +49,7 @@ _bus_ids: dict[int, str] = {}
 class _Slab:
     """One VMM allocation made here: mapped at ``ptr``, ``fd`` its exported handle."""
 
-    __slots__ = ("key", "device", "bus_id", "ptr", "size", "fd", "block", "slots", "live",
-                 "event", "event_handle")
+    __slots__ = ("key", "device", "bus_id", "ptr", "size", "fd", "block", "slots", "live")
 
     def __reduce__(self):
         return _reduce_slab(self)
@@ -59,8 +58,7 @@ class _Slab:
 class _SlabMap:
     """Another process's slab mapped here; ``users``: blocks of it held by live arrays."""
 
-    __slots__ = ("key", "device", "bus_id", "ptr", "size", "fd", "users", "event",
-                 "event_handle")
+    __slots__ = ("key", "device", "bus_id", "ptr", "size", "fd", "users")
 
     def __reduce__(self):
         return _reduce_slab(self)
@@ -139,7 +137,6 @@ def _new_slab(cp, device: int, block: int, key: tuple) -> tuple["_Slab", int]:
     n = size // block
     s.slots = [0] * n
     s.live = 1
-    s.event = s.event_handle = None
     _slabs[s.key] = s
     if n > 1:
         _free.setdefault(key, []).extend((s, i) for i in range(n - 1, 0, -1))
@@ -206,11 +203,10 @@ def reduce_array(cp, arr, mem, owner):
         slab, table_id, slot = owner.slab, owner.table_id, owner.slot
     _reductions.keep_alive(mem)
     with cp.cuda.Device(slab.device):
-        ev = _ipc._order(cp, slab)
+        ev = _ipc._order(cp, slab.device)
     lock_i = _reductions.inflight_index(table_id, slot)
     return _rebuild_array, (slab, arr.data.ptr - slab.ptr, arr.shape, arr.strides,
-                            arr.dtype.str, table_id, slot, lock_i,
-                            None if ev is None else bytes(ev))
+                            arr.dtype.str, table_id, slot, lock_i, ev)
 
 
 def _reduce_slab(s):
@@ -240,7 +236,6 @@ def _rebuild_slab(key: str, bus_id: str, size: int, fd_i: int):
         m.key, m.device, m.bus_id, m.ptr, m.size = key, device, bus_id, ptr, size
         m.fd = _reductions.take_received_fd(fd_i)
         m.users = 0
-        m.event = m.event_handle = None
         _maps[key] = m
         return m
 
@@ -264,10 +259,7 @@ def _rebuild_array(s, offset, shape, strides, dtype, table_id, slot, lock_i, eve
     mem = cp.cuda.UnownedMemory(s.ptr, s.size, use, s.device)
     with cp.cuda.Device(s.device):
         if event_handle is not None:
-            if isinstance(s, _Slab):  # our own event: wait on it directly
-                cp.cuda.get_current_stream().wait_event(s.event)
-            else:
-                _ipc.wait_event(cp, event_handle)
+            _ipc.wait_event(cp, event_handle)
         return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
 
 
