@@ -82,9 +82,12 @@ def _watch_loop(pool_ref: "weakref.ref[Pool]", inqueue) -> None:
         workers = [w for w in _workers.get(inqueue, ()) if w._popen is not None]
         del pool  # wait without keeping the pool alive
         alive = [w.sentinel for w in workers if w.exitcode is None]
-        if alive:
-            wait(alive, timeout=0.2)
-        else:
+        try:
+            if alive:
+                wait(alive, timeout=0.2)
+            else:
+                time.sleep(0.05)
+        except (OSError, ValueError):  # a sentinel closed under us: poll exit codes instead
             time.sleep(0.05)
         pool = pool_ref()
         if pool is None:
