@@ -228,15 +228,21 @@ def _rebuild_empty(shape, dtype, bus_id):
         return cp.empty(shape, dtype)
 
 
-# Releases wait for this process's work on the memory: an event per release, drained in
-# order by whoever releases next (non-blocking) and by a helper thread that wakes at most
-# every DRAIN_S while some are pending, so no thread hand-off happens per array.
-_pending: "deque[tuple]" = deque()  # (event, device, table_id, slot, done), oldest first
+# Releases wait for this process's work on the memory.  A release on a default stream
+# only notes (device, stream, lease); a *flush* records one event per (device, stream) for
+# everything noted since, and a *drain* releases, oldest first, what those events cover.
+# Both run in the releasing thread past BATCH notes and in a helper thread DRAIN_S after
+# the first note, so no event, thread hand-off or driver call is paid per array.  A release
+# on a user stream records its event at once (the stream may be gone by the next flush).
+_noted: "deque[tuple]" = deque()    # (device, stream, table_id, slot, done)
+_pending: "deque[tuple]" = deque()  # (event, device, [(table_id, slot, done)]), oldest first
 _drain_lock = threading.Lock()
 _wake = threading.Event()
-_idle_events: dict[int, list] = {}  # device -> recorded-and-done events to record again
+_idle_events: dict[int, list] = {}  # device -> events whose work is done, to record again
 _releaser_started = False
 DRAIN_S = 0.002
+BATCH = 64
+_DEFAULT_STREAMS = (0, 1, 2)  # legacy null, cudaStreamLegacy, cudaStreamPerThread
 
 
 def _release(device: int, table_id: str, slot: int, done=None) -> None:
@@ -245,16 +251,17 @@ def _release(device: int, table_id: str, slot: int, done=None) -> None:
     global _releaser_started
     try:
         import cupy as cp
-        with cp.cuda.Device(device):
-            idle = _idle_events.get(device)
-            ev = idle.pop() if idle else cp.cuda.Event(block=False, disable_timing=True)
-            ev.record()
+        stream = _current_stream(cp, device)
+        if stream in _DEFAULT_STREAMS:
+            _noted.append((device, stream, table_id, slot, done))
+        else:
+            _pending.append((_record(cp, device, stream), device, [(table_id, slot, done)]))
     except Exception:  # interpreter or driver shutting down: dying releases anyway
         ofd_lease.release(table_id, slot)
         return
-    _pending.append((ev, device, table_id, slot, done))
-    _drain(block=False)
-    if _pending and not _wake.is_set():
+    if len(_noted) >= BATCH:
+        _drain(block=False)
+    if not _wake.is_set():
         if not _releaser_started:
             with _lock:
                 if not _releaser_started:
@@ -266,13 +273,44 @@ def _release(device: int, table_id: str, slot: int, done=None) -> None:
         _evict(MAPPED_IDLE_LIMIT)
 
 
+def _current_stream(cp, device: int) -> int:
+    try:
+        return cp.cuda.get_current_stream(device).ptr
+    except TypeError:  # a CuPy without the device argument
+        with cp.cuda.Device(device):
+            return cp.cuda.get_current_stream().ptr
+
+
+def _record(cp, device: int, stream: int):
+    with cp.cuda.Device(device):
+        idle = _idle_events.get(device)
+        ev = idle.pop() if idle else cp.cuda.Event(block=False, disable_timing=True)
+        cp.cuda.runtime.eventRecord(ev.ptr, stream)
+    return ev
+
+
+def _flush(cp) -> None:
+    """One event per (device, stream) for the releases noted so far."""
+    groups: dict[tuple, list] = {}
+    while _noted:
+        device, stream, table_id, slot, done = _noted.popleft()
+        groups.setdefault((device, stream), []).append((table_id, slot, done))
+    for (device, stream), leases in groups.items():
+        _pending.append((_record(cp, device, stream), device, leases))
+
+
 def _drain(block: bool) -> None:
-    """Release, oldest first, the leases whose events are done (``block``: wait for them)."""
+    """Flush, then release what the done events cover (``block``: wait for them)."""
     if not _drain_lock.acquire(blocking=block):
         return  # another thread is draining
     try:
+        import cupy as cp
+        try:
+            _flush(cp)
+        except Exception:  # the driver is going away: dying releases anyway
+            return
         while _pending:
-            ev, device, table_id, slot, done = _pending[0]
+            ev, device, leases = _pending[0]
             if block:
                 try:
                     ev.synchronize()
@@ -281,13 +319,14 @@ def _drain(block: bool) -> None:
             elif not ev.done:
                 break
             _pending.popleft()
-            ofd_lease.release(table_id, slot)
             _idle_events.setdefault(device, []).append(ev)
-            if done is not None:
-                try:
-                    done()
-                except Exception:  # shutting down
-                    pass
+            for table_id, slot, done in leases:
+                ofd_lease.release(table_id, slot)
+                if done is not None:
+                    try:
+                        done()
+                    except Exception:  # shutting down
+                        pass
     finally:
         _drain_lock.release()
 
@@ -296,8 +335,8 @@ def _releaser() -> None:
     import time
     while True:
         _wake.wait()
-        _wake.clear()
         time.sleep(DRAIN_S)
+        _wake.clear()
         _drain(block=True)
 
 

@@ -6,8 +6,8 @@ of the device's granularity (2 MiB), cut into equal blocks.  Larger requests get
 their own.  A slab is mapped here once and its POSIX fd kept; every message that carries an
 array on it carries a duplicate of that fd, so a consumer needs nothing from the producer
 process afterwards (the driver frees the memory when the last mapping and fd are gone).
-Each block gets a lease slot when first sent; a block freed here while another process
-holds its slot waits in ``_held`` and is reused only once released.
+Each block gets a lease slot when first sent; a block that was sent waits in ``_held``
+when freed here and is reused only once no process holds its slot.
 
 Consumer: maps each slab once (``_maps``, keyed by the producer's table and the slab's
 serial) and keeps its fd (the driver will not re-export an imported handle, so forwarding
@@ -158,10 +158,9 @@ def _reclaim(key: tuple):
 
 
 def _free_block(slab: _Slab, index: int, stream: int) -> None:
-    slot = slab.slots[index]
     key = (slab.device, stream, slab.block)
     with _lock:
-        if slot and ofd_lease.own_table().is_held(slot):
+        if slab.slots[index]:  # it was sent: reusable once nobody holds it (see _reclaim)
             _held.setdefault(key, deque()).append((slab, index))
         else:
             _free.setdefault(key, []).append((slab, index))
