@@ -4,17 +4,23 @@
    forwarder that copies -> summer); per-array time past start-up = (T(N) - T(N0)) / (N - N0).
 2. A 1 GiB array sent again and again once its allocation is open: time per get().
 
-Usage: python -m benchmarks.bench_cuda [--json FILE]
+Usage: python -m benchmarks.bench_cuda [--json FILE] (scripts/gpu_check runs it; scripts/bench
+includes it as its "cuda" section where a GPU is visible).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
-sys.path.insert(0, "tests")  # the CUDA test helpers are the relay's stages
+from . import _report
+from ._report import Section
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests"))  # the CUDA test helpers are the relay's stages
 
 N, N0, SIZE = 10_000, 1_000, 5
 
@@ -108,7 +114,6 @@ def _big_sender(q, e, reps, mode):
 
 
 def _big_array(mode: str, reps: int = 50) -> dict:
-    import cupy as cp
     import shmtensor.multiprocessing as smp
     ctx = smp.get_context("spawn")
     q, e = ctx.Queue(), ctx.Event()
@@ -131,38 +136,77 @@ def _big_array(mode: str, reps: int = 50) -> dict:
     return {"first_get_s": t_first, "median_get_s": times[len(times) // 2], "values_ok": ok}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    args = ap.parse_args()
+def measure() -> dict:
     res = {}
     for mode, label in (("vmm", "shmtensor_relay"), ("ipc", "shmtensor_relay_cupy_pool")):
         shm = {n: _relay_shm(n, mode) for n in (N0, N)}
         res[label] = {"T1000_s": shm[N0], "T10000_s": shm[N],
                       "per_array_s": (shm[N] - shm[N0]) / (N - N0)}
-        print(f"shmtensor relay ({'shared VMM allocator' if mode == 'vmm' else 'CuPy pool, legacy IPC'}): "
-              f"1,000 in {shm[N0]:.2f} s, 10,000 in {shm[N]:.2f} s, "
-              f"{res[label]['per_array_s'] * 1e6:.0f} us per array past start-up", flush=True)
+        print(f"  cuda         relay ({mode}) {res[label]['per_array_s'] * 1e6:.0f} us per array",
+              file=sys.stderr, flush=True)
     try:
         tor = {n: _relay_torch(n) for n in (N0, N)}
-        res["torch_relay"] = {"T1000_s": tor[N0], "T10000_s": tor[N], "per_array_s": (tor[N] - tor[N0]) / (N - N0)}
-        print(f"torch relay:     1,000 in {tor[N0]:.2f} s, 10,000 in {tor[N]:.2f} s, "
-              f"{res['torch_relay']['per_array_s'] * 1e6:.0f} us per array past start-up", flush=True)
-        ratio = res["torch_relay"]["per_array_s"] / res["shmtensor_relay"]["per_array_s"]
-        res["relay_ratio"] = ratio
-        print(f"  {'PASS' if ratio >= 5 else 'FAIL'} torch / shmtensor per array = {ratio:.1f}x (want >= 5x)")
+        res["torch_relay"] = {"T1000_s": tor[N0], "T10000_s": tor[N],
+                              "per_array_s": (tor[N] - tor[N0]) / (N - N0)}
+        print(f"  cuda         relay (torch) {res['torch_relay']['per_array_s'] * 1e6:.0f} us per "
+              "array", file=sys.stderr, flush=True)
     except ImportError:
-        print("torch not installed: relay comparison skipped")
+        res["torch_relay"] = None
     for mode, label in (("ipc", "big_array"), ("vmm", "big_array_vmm")):
-        big = res[label] = _big_array(mode)
-        print(f"1 GiB array ({mode}): first get {big['first_get_s'] * 1e3:.1f} ms (opens the "
-              f"allocation), then {big['median_get_s'] * 1e6:.0f} us per get; "
-              f"{'PASS' if big['median_get_s'] < 1e-3 and big['values_ok'] else 'FAIL'} "
-              "(want < 1 ms)", flush=True)
+        res[label] = _big_array(mode)
+    return res
+
+
+def section(res: dict) -> Section:
+    torch = res["torch_relay"]
+    rows = [(f"relay of {N:,} arrays of {SIZE} int64, 3 processes ({label})",
+             f"{r['per_array_s'] * 1e6:.0f} us/array",
+             f"{r['T1000_s']:.2f} s / {r['T10000_s']:.2f} s")
+            for label, r in (("shmtensor, shared VMM allocator", res["shmtensor_relay"]),
+                             ("shmtensor, CuPy's pool (legacy IPC)",
+                              res["shmtensor_relay_cupy_pool"]),
+                             ("torch.multiprocessing", torch)) if r is not None]
+    rows += [(f"1 GiB array re-sent once open ({label})",
+              f"{b['median_get_s'] * 1e6:.0f} us/get", f"first get {b['first_get_s'] * 1e3:.0f} ms")
+             for label, b in (("legacy IPC", res["big_array"]), ("VMM", res["big_array_vmm"]))]
+    table = _report.format_rows(("what", "per item", f"T({N0:,}) / T({N:,})"), rows)
+    per = res["shmtensor_relay"]["per_array_s"]
+    targets = [
+        _report.target("relay per array: torch.multiprocessing / shmtensor (VMM allocator)",
+                       _report.ratio(torch["per_array_s"] if torch else None, per), ">=", 5,
+                       section="cuda"),
+        _report.target("1 GiB array get once its allocation is open (legacy IPC)",
+                       res["big_array"]["median_get_s"] * 1e3, "<=", 1, unit="ms",
+                       section="cuda"),
+        _report.target("1 GiB array get once its allocation is open (VMM)",
+                       res["big_array_vmm"]["median_get_s"] * 1e3, "<=", 1, unit="ms",
+                       section="cuda"),
+    ]
+    return Section(key="cuda", title="CUDA: CuPy arrays between processes (GPU machine)",
+                   table=table, targets=targets, data=res,
+                   notes=["per array = (T(10,000) - T(1,000)) / 9,000: start-up excluded"])
+
+
+def run() -> Section:
+    """The CUDA section of scripts/bench: measured where CuPy sees a GPU, else said so."""
+    import shmtensor.cuda
+    if not shmtensor.cuda.is_available():
+        return Section(key="cuda", title="CUDA: skipped (no visible GPU, or CuPy not installed)",
+                       table="run scripts/gpu_check on a GPU machine (its log has this section)",
+                       targets=[], data={"skipped": True})
+    return section(measure())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    sec = section(measure())
+    print(sec.render(), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    return 0
+            json.dump({"targets": sec.targets, **sec.data}, f, indent=2)
+    return 0 if all(t["pass"] for t in sec.targets) else 1
 
 
 if __name__ == "__main__":
