@@ -102,7 +102,7 @@ def test_cuda_send_many(cp, ctx, lc, mode, count=10_000):
 
 
 @pytest.mark.skipif(shmtensor.cuda.device_count() < 2, reason="needs two GPUs")
-def test_cuda_small_arrays_two_gpus(cp, ctx, lc):
+def test_cuda_small_arrays_two_gpus(cp, kind, ctx, lc):
     arrays = []
     for i in range(5):
         with cp.cuda.Device(i % 2):
