@@ -301,6 +301,8 @@ def _flush(cp) -> None:
 
 def _drain(block: bool) -> None:
     """Flush, then release what the done events cover (``block``: wait for them)."""
+    if not _noted and not _pending:
+        return
     if not _drain_lock.acquire(blocking=block):
         return  # another thread is draining
     try:
