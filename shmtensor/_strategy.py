@@ -11,9 +11,11 @@ FILE_SYSTEM = "file_system"
 _ALL = (FILE_DESCRIPTOR, FILE_SYSTEM) if HAVE_MEMFD else (FILE_SYSTEM,)
 
 # Arrays smaller than this are pickled into the message; larger ones cross through a
-# segment.  Measured crossover on the 2-vCPU machines: between 128 KB (inline 113 us,
-# segment 154 us) and 256 KB (inline 283 us, segment 167 us); see docs/benchmarks.md.
-DEFAULT_INLINE_THRESHOLD = 192 * 1024
+# segment.  Measured crossover on the 2-vCPU machines, since Queue.put sends frames up to
+# 64 KB itself (larger ones wait for the feeder thread): between 64 KB (inline 76 us,
+# segment 86 us) and 128 KB (inline 118 us, segment 94 us), ~82 KB interpolated; see
+# docs/benchmarks.md.
+DEFAULT_INLINE_THRESHOLD = 80 * 1024
 
 
 def _from_env(name: str, default):

@@ -34,7 +34,9 @@ _lock = threading.RLock()
 _exports: dict[tuple[int, int], "_Export"] = {}
 _mapped: "OrderedDict[bytes, _Mapping]" = OrderedDict()  # handle -> open mapping, LRU
 MAPPED_IDLE_LIMIT = 1024  # idle open mappings kept per process (closing costs ~90 us)
-_opened_events: dict[bytes, int] = {}       # event handle -> opened event pointer
+_opened_events: dict[bytes, int] = {}       # handle -> opened pointer (IpcEvent objects)
+_ring_opened: "OrderedDict[bytes, int]" = OrderedDict()  # other senders' ring events, LRU
+RING_OPENED_LIMIT = 4096
 _rings: dict[int, list] = {}                # device -> [(event, handle)], up to RING
 _ring_next: dict[int, int] = {}
 _own_events: dict[bytes, object] = {}       # handle -> this process's own ring event
@@ -348,9 +350,12 @@ def wait_event(cp, event_handle: bytes) -> None:
     if own is not None:  # sent to ourselves
         cp.cuda.get_current_stream().wait_event(own)
         return
-    ev = _opened_events.get(event_handle)
+    ev = _ring_opened.get(event_handle)
     if ev is None:
-        ev = _opened_events[event_handle] = cp.cuda.runtime.ipcOpenEventHandle(event_handle)
+        ev = _ring_opened[event_handle] = cp.cuda.runtime.ipcOpenEventHandle(event_handle)
+        if len(_ring_opened) > RING_OPENED_LIMIT:  # senders come and go: close the oldest
+            _, old = _ring_opened.popitem(last=False)
+            cp.cuda.runtime.eventDestroy(old)  # waits already queued on it still complete
     cp.cuda.runtime.streamWaitEvent(cp.cuda.get_current_stream().ptr, ev)
 
 
