@@ -133,20 +133,38 @@ def bad_fork_child(queue, out):
     out.put(msgs)
 
 
+_SLOW_FILL = r'''
+extern "C" __global__ void slow_fill(float* x, int n, float v, long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = v;
+}'''
+
+
+def slow_fill(a, value, cycles):
+    """Queue a kernel that spins ``cycles`` GPU clocks, then fills float32 ``a``."""
+    kernel = cp().RawKernel(_SLOW_FILL, "slow_fill")
+    kernel(((a.size + 255) // 256,), (256,), (a, np.int32(a.size), np.float32(value),
+                                              np.int64(cycles)))
+
+
 def slow_writer(queue, value, cycles, kind="ipc"):
     """Launch a kernel that spins, then writes, and send the array without host sync."""
     use(kind)
-    kernel = cp().RawKernel(r'''
-    extern "C" __global__ void slow_fill(float* x, int n, float v, long long cycles) {
-        long long start = clock64();
-        while (clock64() - start < cycles) { }
-        int i = blockIdx.x * blockDim.x + threadIdx.x;
-        if (i < n) x[i] = v;
-    }''', "slow_fill")
     a = cp().zeros(1024, dtype=np.float32)
-    kernel((4,), (256,), (a, np.int32(1024), np.float32(value), np.int64(cycles)))
+    slow_fill(a, value, cycles)
     queue.put(a)  # no synchronize: ordering comes from the interprocess event
     time.sleep(30)
+
+
+def event_importer(queue, out):
+    """Receive the parent's event, say ready, wait for its record, then check it on the host."""
+    event = queue.get()
+    out.put("ready")
+    assert queue.get() == "recorded"
+    event.synchronize()
+    out.put(event.query())
 
 
 def vmm_producer_then_exit(queue):

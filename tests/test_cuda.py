@@ -137,6 +137,44 @@ def test_cuda_event_exporter(cp, ctx, lc):
     del tensor, event
 
 
+def test_cuda_event_importer(cp, ctx, lc):
+    e0 = cp.cuda.Event(interprocess=True, disable_timing=True)
+    assert e0.done
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=ch.event_importer, args=(q, out))
+    p.start()
+    q.put(e0)
+    assert out.get(timeout=JOIN) == "ready"
+    spin = cp.zeros(1, dtype=cp.float32)
+    ch.slow_fill(spin, 1.0, 100_000_000)  # ~50 ms of GPU time before the record
+    e0.record()
+    q.put("recorded")
+    assert out.get(timeout=JOIN) is True  # the child's host waited for our kernel
+    assert float(spin[0]) == 1.0
+    join_all(p)
+    del e0, spin
+
+
+@pytest.mark.skipif(shmtensor.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_event_handle_multi_gpu(cp, ctx, lc):
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=ch.event_importer, args=(q, out))  # its current device: 0
+    p.start()
+    with cp.cuda.Device(1):  # sent while its device is current (see reduce_cupy_event)
+        e1 = cp.cuda.Event(interprocess=True, disable_timing=True)
+        q.put(e1)
+        assert out.get(timeout=JOIN) == "ready"
+        spin = cp.zeros(1, dtype=cp.float32)
+        ch.slow_fill(spin, 1.0, 100_000_000)
+        e1.record()
+    q.put("recorded")
+    assert out.get(timeout=JOIN) is True  # device 0's process waited for device 1's kernel
+    with cp.cuda.Device(1):
+        assert float(spin[0]) == 1.0
+    join_all(p)
+    del e1, spin
+
+
 def test_cuda_empty_and_mixed_dtypes(cp, ctx, lc):
     q = ctx.Queue()
     q.put([cp.empty(0), cp.empty((0, 3), dtype=cp.int8), cp.arange(4, dtype=cp.int16)])

@@ -442,6 +442,9 @@ class IpcEvent:
 
 
 def reduce_cupy_event(ev):
+    """An interprocess event's handle.  Send an event while its own device is current: a
+    CuPy event does not say which device it belongs to, and the driver (580) crashes the
+    process when asked for the handle of another device's event."""
     cp = cupy()
     try:
         handle = cp.cuda.runtime.ipcGetEventHandle(ev.ptr)
