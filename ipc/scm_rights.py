@@ -23,7 +23,8 @@ import array
 import socket
 import struct
 
-__all__ = ["HAVE_SCM_RIGHTS", "MAX_FDS", "send_frame", "try_send_frame", "recv_frame"]
+__all__ = ["HAVE_SCM_RIGHTS", "MAX_FDS", "ATOMIC_MAX", "send_frame", "try_send_frame",
+           "recv_frame"]
 
 HAVE_SCM_RIGHTS = hasattr(socket, "SCM_RIGHTS") and hasattr(socket.socket, "sendmsg")
 MAX_FDS = 253
@@ -34,7 +35,10 @@ _Q = struct.Struct("!Q")
 _QI = struct.Struct("!QI")
 _ANC_SIZE = socket.CMSG_SPACE(MAX_FDS * 4) if HAVE_SCM_RIGHTS else 0
 _INLINE = 1 << 16
-_MSG_CTRUNC = int(socket.MSG_CTRUNC)  # a plain int: enum '&' costs microseconds
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)
+# A Unix stream socket queues a write in pieces of at most ~36 KB (one page of head plus
+# 32 KB of fragments); a frame no larger is taken whole or not at all by a non-blocking send.
+ATOMIC_MAX = 32 << 10  # a plain int: enum '&' costs microseconds
 
 
 def _anc(fds):
@@ -55,17 +59,18 @@ def _finish(sock, header, data, sent: int) -> None:
 
 
 def try_send_frame(sock: socket.socket, data, fds=()) -> bool:
-    """Send a small frame now if the socket has room (False, nothing sent, if it has not):
-    lets a queue skip its feeder thread while the reader keeps up."""
+    """Send a frame of at most ``ATOMIC_MAX`` bytes now if the socket has room (False,
+    nothing sent, if it has not): lets a queue skip its feeder thread while the reader
+    keeps up."""
     data = memoryview(data).cast("B")
-    if len(fds) > MAX_FDS or len(data) > _INLINE:
+    if len(fds) > MAX_FDS or len(data) + _WITH_FDS.size > ATOMIC_MAX:
         return False
     header = _header(len(data), fds)
     try:
         sent = sock.sendmsg([header, data], _anc(fds), socket.MSG_DONTWAIT)
-    except (BlockingIOError, InterruptedError):
+    except BlockingIOError:
         return False
-    _finish(sock, header, data, sent)  # the frame's first byte went: the rest must follow
+    _finish(sock, header, data, sent)  # not expected: a frame this small goes whole
     return True
 
 

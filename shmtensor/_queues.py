@@ -12,11 +12,12 @@ stdlib, in order.  ``put`` and ``get`` are adapted from CPython 3.11's.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from multiprocessing import queues as _mpq
 from queue import Empty, Full
+
+from ipc import scm_rights
 
 from . import _reductions
 from ._connection import Connection, Pipe, _stash
@@ -63,12 +64,18 @@ class _ShmQueue:
                                                  self._unsent)
 
     def _send_now(self, frame: Frame) -> bool:
-        """Send ``frame`` in this thread if that keeps the queue's order and the socket has
-        room (caller holds ``_notempty``)."""
-        if self._unsent[0] or (self._wlock is not None and not self._wlock.acquire(False)):
+        """Send ``frame`` in this thread if that keeps the queue's order and the socket takes
+        it whole at once (caller holds ``_notempty``); False leaves it to the feeder thread,
+        which also meets any error as the stdlib's does."""
+        if (self._unsent[0] or len(frame.data) > scm_rights.ATOMIC_MAX
+                or len(frame.ctx.fds) > scm_rights.MAX_FDS):
+            return False
+        if self._wlock is not None and not self._wlock.acquire(False):
             return False
         try:
             sent = self._writer.try_send_frame(frame.data, frame.ctx.wire_fds())
+        except OSError:  # no fds left, reader gone, ...: as the feeder would meet it
+            return False
         finally:
             if self._wlock is not None:
                 self._wlock.release()
@@ -83,9 +90,10 @@ class _ShmQueue:
         if not self._sem.acquire(block, timeout):
             raise Full
         joinable = getattr(self, "_cond", None)
-        with self._notempty, (joinable if joinable is not None else contextlib.nullcontext()):
-            if joinable is not None:
+        if joinable is not None:  # counted first, as the stdlib does, but not held while sending
+            with joinable:
                 self._unfinished_tasks.release()
+        with self._notempty:
             if self._send_now(frame):
                 return
             if self._thread is None:
@@ -93,6 +101,13 @@ class _ShmQueue:
             self._unsent[0] += 1
             self._buffer.append(frame)
             self._notempty.notify()
+
+    def close(self) -> None:
+        """As the stdlib's; with no feeder thread ever started, close the socket here."""
+        super().close()
+        if self._thread is None:
+            self._reader.close()
+            self._writer.close()
 
     def get(self, block: bool = True, timeout: float | None = None):
         if self._closed:

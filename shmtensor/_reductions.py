@@ -147,11 +147,16 @@ def keep_alive(obj) -> None:
 
 
 def attach_fd(fd: int) -> int:
-    """Send ``fd`` with the message being pickled and close it once sent: its index."""
+    """Send ``fd`` with the message being pickled: its index.  The caller keeps ``fd`` open
+    until the message is sent (what the reducer passes to :func:`keep_alive` does)."""
     ctx = _send_context()
     ctx.fds.append(fd)
-    ctx.owned.append(fd)
     return len(ctx.fds) - 1
+
+
+def after_loading(fn) -> None:
+    """Call ``fn()`` once the message being unpickled is loaded (or failed to load)."""
+    _local.recv.after.append(fn)
 
 
 def take_received_fd(i: int) -> int:
@@ -175,10 +180,7 @@ def _reduce_segment(seg: Segment):
     ctx = _send_context()
     ctx.keep.append(seg.anchor())
     i = inflight_index(seg.table_id, seg.slot)
-    d = -1
-    if seg.kind == FD:
-        ctx.fds.append(seg.fd)
-        d = len(ctx.fds) - 1
+    d = attach_fd(seg.fd) if seg.kind == FD else -1
     return _rebuild_segment, (seg.key, seg.kind, seg.size, seg.table_id, seg.slot, d, i)
 
 
@@ -282,10 +284,11 @@ def dumps(obj, by_value: bool = False) -> tuple[memoryview, SendContext]:
 
 
 class _RecvContext:
-    __slots__ = ("fds",)
+    __slots__ = ("fds", "after")
 
     def __init__(self, fds: list[int]) -> None:
         self.fds = fds
+        self.after: list = []
 
 
 def loads(data, fds: list[int]):
@@ -299,6 +302,8 @@ def loads(data, fds: list[int]):
         return pickle.loads(data)
     finally:
         _local.recv = prev
+        for fn in ctx.after:
+            fn()
         for fd in fds:
             if fd >= 0:
                 try:
@@ -309,11 +314,10 @@ def loads(data, fds: list[int]):
 
 def _rebuild_segment(key, kind, size, table_id, slot, data_i, lock_i):
     lease_fd = received_fd(lock_i)
-    ctx: _RecvContext = _local.recv
     anchor, took = _segments.receive(key, kind, size, table_id, slot,
-                                     ctx.fds[data_i] if data_i >= 0 else None, lease_fd)
+                                     received_fd(data_i) if data_i >= 0 else None, lease_fd)
     if took:
-        ctx.fds[data_i] = -1
+        take_received_fd(data_i)
     return anchor
 
 

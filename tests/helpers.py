@@ -204,3 +204,11 @@ def slow_scale(a):
     """A pool task that holds its (shared or copied) array for a while, then returns it."""
     time.sleep(0.05)
     return a * 2
+
+
+def slow_joinable_consumer(queue, n):
+    """get / a moment of work / task_done, n times: a producer must not starve us of task_done."""
+    for _ in range(n):
+        queue.get()
+        time.sleep(0.001)
+        queue.task_done()

@@ -326,6 +326,32 @@ def test_vmm_small_arrays_share_a_slab_and_come_back_home(cp, ctx, lc):
     assert shmtensor.debug_info()["cuda_vmm_slabs"] == 0 and not shmtensor.cuda.exports()
 
 
+@pytest.mark.parametrize("stream", ["null", "per-thread default", "user"])
+def test_cuda_release_waits_for_the_receivers_stream(cp, ctx, stream):
+    from ipc import ofd_lease
+    a = shmtensor.cuda.zeros(1024, dtype=cp.float32)
+    block = a.data.mem._owner
+    q = ctx.SimpleQueue()
+    q.put(a)
+    b = q.get()  # our own memory, held through our own lease table as any receiver holds it
+    slot = block.slab.slots[block.index]
+    s = {"null": cp.cuda.Stream.null, "per-thread default": cp.cuda.Stream.ptds,
+         "user": cp.cuda.Stream(non_blocking=True)}[stream]
+    with s:
+        ch.slow_fill(b, 5.0, 1_000_000_000)  # ~0.5 s of GPU time on that stream
+        del b  # released only once that work is done, whoever flushes the release
+    time.sleep(0.2)
+    shmtensor.cuda._ipc._drain(block=False)
+    assert ofd_lease.own_table().is_held(slot)  # the kernel still runs
+    s.synchronize()
+    deadline = time.monotonic() + 10
+    while ofd_lease.own_table().is_held(slot) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not ofd_lease.own_table().is_held(slot)
+    assert float(a[0]) == 5.0
+    del a
+
+
 def test_importing_shmtensor_does_not_initialise_cuda():
     import subprocess
     import sys

@@ -245,3 +245,28 @@ def test_importing_changes_nothing_for_stdlib_users():
     assert not shmtensor.is_shared(y)
     q.close()
     q.join_thread()
+
+
+def test_joinable_queue_with_a_slow_consumer_and_large_inline_frames(lc):
+    # put may send frames itself; it must never hold the queue's task lock while the
+    # socket is full, or the consumer's task_done() waits on it forever
+    ctx = smp.get_context("spawn")
+    q = ctx.JoinableQueue()
+    sizes = [6_000 if i % 2 else 3_000 for i in range(600)]  # 48 KB via the feeder, 24 KB direct
+    p = ctx.Process(target=helpers.slow_joinable_consumer, args=(q, len(sizes)))
+    p.start()
+    for i, size in enumerate(sizes):
+        q.put(np.full(size, i, dtype=np.float64))
+    q.join()  # every task_done arrived
+    join_all(p)
+    assert p.exitcode == 0
+
+
+def test_queue_close_without_a_feeder_thread_closes_its_socket():
+    q = smp.get_context("spawn").Queue()
+    q.put(np.arange(4))  # small: sent without the feeder thread
+    assert (q.get(timeout=JOIN) == np.arange(4)).all()
+    assert q._thread is None
+    q.close()
+    q.join_thread()
+    assert q._reader.closed and q._writer.closed

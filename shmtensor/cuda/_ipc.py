@@ -35,7 +35,7 @@ _exports: dict[tuple[int, int], "_Export"] = {}
 _mapped: "OrderedDict[bytes, _Mapping]" = OrderedDict()  # handle -> open mapping, LRU
 MAPPED_IDLE_LIMIT = 1024  # idle open mappings kept per process (closing costs ~90 us)
 _opened_events: dict[bytes, int] = {}       # handle -> opened pointer (IpcEvent objects)
-_ring_opened: "OrderedDict[bytes, int]" = OrderedDict()  # other senders' ring events, LRU
+_ring_opened: "OrderedDict[bytes, int]" = OrderedDict()  # other senders' ring events
 RING_OPENED_LIMIT = 4096
 _rings: dict[int, list] = {}                # device -> [(event, handle)], up to RING
 _ring_next: dict[int, int] = {}
@@ -244,22 +244,26 @@ _idle_events: dict[int, list] = {}  # device -> events whose work is done, to re
 _releaser_started = False
 DRAIN_S = 0.002
 BATCH = 64
-_DEFAULT_STREAMS = (0, 1, 2)  # legacy null, cudaStreamLegacy, cudaStreamPerThread
+# Streams that are the same stream in every thread (the legacy default stream): a flush in
+# another thread may record on them.  cudaStreamPerThread (2) is not: it gets its event at
+# once, in the releasing thread, as user streams do.
+_SHARED_STREAMS = (0, 1)
 
 
 def _release(device: int, table_id: str, slot: int, done=None) -> None:
     """The last array on a mapping (or VMM block) died: release its lease once the work this
     process queued on the current stream is done, then call ``done``."""
     global _releaser_started
+    lease = (table_id, slot, done)
     try:
         import cupy as cp
         stream = _current_stream(cp, device)
-        if stream in _DEFAULT_STREAMS:
-            _noted.append((device, stream, table_id, slot, done))
+        if stream in _SHARED_STREAMS:
+            _noted.append((device, stream, lease))
         else:
-            _pending.append((_record(cp, device, stream), device, [(table_id, slot, done)]))
-    except Exception:  # interpreter or driver shutting down: dying releases anyway
-        ofd_lease.release(table_id, slot)
+            _pending.append((_record(cp, device, stream), device, [lease]))
+    except Exception:  # interpreter or driver shutting down: wait, if it still can, and go
+        _release_now(device, [lease])
         return
     if len(_noted) >= BATCH:
         _drain(block=False)
@@ -275,6 +279,24 @@ def _release(device: int, table_id: str, slot: int, done=None) -> None:
         _evict(MAPPED_IDLE_LIMIT)
 
 
+def _release_now(device: int | None, leases: list) -> None:
+    """Release ``leases`` without an event: after the device's work, if it can still say."""
+    if device is not None:
+        try:
+            import cupy as cp
+            with cp.cuda.Device(device):
+                cp.cuda.Device(device).synchronize()
+        except Exception:  # the driver is going away: dying releases anyway
+            pass
+    for table_id, slot, done in leases:
+        ofd_lease.release(table_id, slot)
+        if done is not None:
+            try:
+                done()
+            except Exception:  # shutting down
+                pass
+
+
 def _current_stream(cp, device: int) -> int:
     try:
         return cp.cuda.get_current_stream(device).ptr
@@ -285,8 +307,10 @@ def _current_stream(cp, device: int) -> int:
 
 def _record(cp, device: int, stream: int):
     with cp.cuda.Device(device):
-        idle = _idle_events.get(device)
-        ev = idle.pop() if idle else cp.cuda.Event(block=False, disable_timing=True)
+        try:
+            ev = _idle_events[device].pop()
+        except (KeyError, IndexError):  # none idle (another thread may have taken the last)
+            ev = cp.cuda.Event(block=False, disable_timing=True)
         cp.cuda.runtime.eventRecord(ev.ptr, stream)
     return ev
 
@@ -295,10 +319,13 @@ def _flush(cp) -> None:
     """One event per (device, stream) for the releases noted so far."""
     groups: dict[tuple, list] = {}
     while _noted:
-        device, stream, table_id, slot, done = _noted.popleft()
-        groups.setdefault((device, stream), []).append((table_id, slot, done))
+        device, stream, lease = _noted.popleft()
+        groups.setdefault((device, stream), []).append(lease)
     for (device, stream), leases in groups.items():
-        _pending.append((_record(cp, device, stream), device, leases))
+        try:
+            _pending.append((_record(cp, device, stream), device, leases))
+        except Exception:  # no event to be had: wait here instead
+            _release_now(device, leases)
 
 
 def _drain(block: bool) -> None:
@@ -309,10 +336,7 @@ def _drain(block: bool) -> None:
         return  # another thread is draining
     try:
         import cupy as cp
-        try:
-            _flush(cp)
-        except Exception:  # the driver is going away: dying releases anyway
-            return
+        _flush(cp)
         while _pending:
             ev, device, leases = _pending[0]
             if block:
@@ -324,13 +348,7 @@ def _drain(block: bool) -> None:
                 break
             _pending.popleft()
             _idle_events.setdefault(device, []).append(ev)
-            for table_id, slot, done in leases:
-                ofd_lease.release(table_id, slot)
-                if done is not None:
-                    try:
-                        done()
-                    except Exception:  # shutting down
-                        pass
+            _release_now(None, leases)
     finally:
         _drain_lock.release()
 
@@ -350,13 +368,14 @@ def wait_event(cp, event_handle: bytes) -> None:
     if own is not None:  # sent to ourselves
         cp.cuda.get_current_stream().wait_event(own)
         return
-    ev = _ring_opened.get(event_handle)
-    if ev is None:
-        ev = _ring_opened[event_handle] = cp.cuda.runtime.ipcOpenEventHandle(event_handle)
-        if len(_ring_opened) > RING_OPENED_LIMIT:  # senders come and go: close the oldest
-            _, old = _ring_opened.popitem(last=False)
-            cp.cuda.runtime.eventDestroy(old)  # waits already queued on it still complete
-    cp.cuda.runtime.streamWaitEvent(cp.cuda.get_current_stream().ptr, ev)
+    with _lock:  # no other thread closes it between the lookup and the wait
+        ev = _ring_opened.get(event_handle)
+        if ev is None:
+            ev = _ring_opened[event_handle] = cp.cuda.runtime.ipcOpenEventHandle(event_handle)
+            if len(_ring_opened) > RING_OPENED_LIMIT:  # senders come and go: close the
+                _, old = _ring_opened.popitem(last=False)  # first opened
+                cp.cuda.runtime.eventDestroy(old)  # waits already queued on it complete
+        cp.cuda.runtime.streamWaitEvent(cp.cuda.get_current_stream().ptr, ev)
 
 
 def _evict(keep: int) -> int:

@@ -102,8 +102,8 @@ def _prepare(cp, device: int) -> None:
             "(needs Linux outside WSL and a GPU/vGPU with VMM): allocate with CuPy's default "
             "allocator instead; such arrays still cross processes by CUDA IPC, but their "
             "producer must stay alive until every consumer has let go")
-    _bus_ids[device] = cp.cuda.runtime.deviceGetPCIBusId(device)
     _granularity[device] = cuda_vmm.granularity(device)
+    _bus_ids[device] = cp.cuda.runtime.deviceGetPCIBusId(device)  # last: marks it ready
 
 
 def _new_slab(cp, device: int, block: int, key: tuple) -> tuple["_Slab", int]:
@@ -197,7 +197,10 @@ def reduce_array(cp, arr, mem, owner):
         slab, table_id = owner.slab, ofd_lease.own_table().id
         slot = slab.slots[owner.index]
         if not slot:
-            slot = slab.slots[owner.index] = ofd_lease.own_table().new_slot()
+            with _lock:  # two threads sending it at once must agree on one slot
+                slot = slab.slots[owner.index]
+                if not slot:
+                    slot = slab.slots[owner.index] = ofd_lease.own_table().new_slot()
     else:
         slab, table_id, slot = owner.slab, owner.table_id, owner.slot
     _reductions.keep_alive(mem)
@@ -209,9 +212,9 @@ def reduce_array(cp, arr, mem, owner):
 
 
 def _reduce_slab(s):
-    fd = os.dup(s.fd)  # the message owns its copy: closed once sent
-    i = _reductions.attach_fd(fd)
-    return _rebuild_slab, (s.key, s.bus_id, s.size, i)
+    # s.fd stays open until the message is sent: the array kept alive with it keeps a block
+    # of s live (own slab) or a use of s (mapping), and neither is given back meanwhile.
+    return _rebuild_slab, (s.key, s.bus_id, s.size, _reductions.attach_fd(s.fd))
 
 
 def _rebuild_slab(key: str, bus_id: str, size: int, fd_i: int):
@@ -222,7 +225,7 @@ def _rebuild_slab(key: str, bus_id: str, size: int, fd_i: int):
         m = _maps.get(key)
         if m is not None:
             _maps.move_to_end(key)
-            return m
+            return _pinned(m)
         cp = _ipc.cupy()
         device = _ipc._local_device(cp, bus_id)
         fd = _reductions.received_fd(fd_i)
@@ -236,7 +239,14 @@ def _rebuild_slab(key: str, bus_id: str, size: int, fd_i: int):
         m.fd = _reductions.take_received_fd(fd_i)
         m.users = 0
         _maps[key] = m
-        return m
+        return _pinned(m)
+
+
+def _pinned(m: "_SlabMap") -> "_SlabMap":
+    """Keep ``m`` mapped until the message being loaded has built its arrays on it."""
+    m.users += 1
+    _reductions.after_loading(lambda: _map_released(m))
+    return m
 
 
 def _rebuild_array(s, offset, shape, strides, dtype, table_id, slot, lock_i, event_handle):
