@@ -47,13 +47,14 @@ class SendContext:
     message waiting in a queue's buffer costs no fd (its anchors keep the holds meanwhile).
     """
 
-    __slots__ = ("fds", "owned", "keep", "inflight", "__weakref__")
+    __slots__ = ("fds", "owned", "keep", "inflight", "memo", "__weakref__")
 
     def __init__(self) -> None:
         self.fds: list[int] = []
-        self.owned: list[int] = []   # fds the message owns (in-flight locks, dups): closed once sent
+        self.owned: list[int] = []   # in-flight lock descriptions: closed once sent
         self.keep: list = []          # anchors that must outlive the send
         self.inflight: dict[str, tuple[int, list[int]]] = {}
+        self.memo: dict = {}          # what reducers did once for the whole message
 
     def wire_fds(self) -> list[int]:
         """The fds to send: segment fds plus one fresh in-flight description per table."""
@@ -152,6 +153,13 @@ def attach_fd(fd: int) -> int:
     ctx = _send_context()
     ctx.fds.append(fd)
     return len(ctx.fds) - 1
+
+
+def message_memo() -> dict:
+    """A dict that lives as long as the message being pickled or unpickled: for work done
+    once per message, whatever the number of arrays in it."""
+    ctx = getattr(_local, "recv", None)
+    return (ctx if ctx is not None else _send_context()).memo
 
 
 def after_loading(fn) -> None:
@@ -284,11 +292,12 @@ def dumps(obj, by_value: bool = False) -> tuple[memoryview, SendContext]:
 
 
 class _RecvContext:
-    __slots__ = ("fds", "after")
+    __slots__ = ("fds", "after", "memo")
 
     def __init__(self, fds: list[int]) -> None:
         self.fds = fds
         self.after: list = []
+        self.memo: dict = {}
 
 
 def loads(data, fds: list[int]):

@@ -90,7 +90,7 @@ def fault_producer(queue, stop, size):
     """Send uniform arrays (shared and not) until told to stop; recycling runs throughout."""
     import queue as _q
     i = 0
-    while not stop.is_set():
+    while not stop[0]:
         a = shmtensor.full(size, i, dtype=np.int64) if i % 2 else np.full(size, i, dtype=np.int64)
         try:
             queue.put(a, timeout=0.2)

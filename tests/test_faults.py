@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+import shmtensor
 import shmtensor.multiprocessing as smp
 
 import helpers
@@ -23,7 +24,8 @@ from test_crash import _wait_clean
 def test_random_sigkill(strategy, victim, seed, lc):
     rnd = random.Random(seed)
     ctx = smp.get_context("spawn")
-    q, out, stop = ctx.Queue(maxsize=8), ctx.Queue(), ctx.Event()
+    # the stop flag is a shared byte, not an Event: an Event's lock could die with the producer
+    q, out, stop = ctx.Queue(maxsize=8), ctx.Queue(), shmtensor.zeros(1, dtype="int8")
     size = rnd.choice([8, 20_000, 300_000])  # inline, and through segments
     prod = ctx.Process(target=helpers.fault_producer, args=(q, stop, size))
     cons = ctx.Process(target=helpers.fault_consumer, args=(q, out, 4))
@@ -37,7 +39,7 @@ def test_random_sigkill(strategy, victim, seed, lc):
     if victim == "producer":
         status, n = out.get(timeout=JOIN)  # the consumer notices the stream dried up
         assert status == "ok" and n > 0
-    stop.set()
+    stop[0] = 1
     join_all(survivor)
     assert survivor.exitcode == 0
     # Messages still in the queue stay readable (and their segments alive) while anyone

@@ -235,3 +235,19 @@ def test_batch_pool_refuses_another_process():
     join_all(p)
     assert "create the BatchPool inside the worker" in msg
     pool.close()
+
+
+def test_terminate_after_idle_workers_were_killed(lc):
+    # an idle worker waits for tasks holding the task queue's lock; killed there, the lock
+    # is never released, and the stdlib's terminate() would wait on it for ever
+    ctx = smp.get_context("spawn")
+    pool = ctx.Pool(2)
+    assert pool.map(helpers.square, range(4)) == [0, 1, 4, 9]
+    time.sleep(0.3)  # both idle: one in recv holding the lock, one waiting for it
+    for w in list(pool._pool):
+        lc.check_pid(w.pid)
+        os.kill(w.pid, signal.SIGKILL)
+    t = time.monotonic()
+    pool.terminate()
+    pool.join()
+    assert time.monotonic() - t < 30

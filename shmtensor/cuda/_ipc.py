@@ -110,25 +110,33 @@ def _use_of(m: _Mapping, lease_fd: int) -> _Use:
 def _order(cp, device: int) -> bytes | None:
     """Order the current stream's queued work before the receiver's use: the handle of a
     ring event recorded on it, or None when the stream has nothing queued (or, with no
-    interprocess event to be had, after synchronizing it)."""
+    interprocess event to be had, after synchronizing it).  Once per message and stream."""
     stream = cp.cuda.get_current_stream()
-    if stream.done:
-        return None
-    ring = _rings.setdefault(device, [])
-    i = _ring_next.get(device, 0)
-    if i >= len(ring):
-        try:
-            ev = cp.cuda.Event(block=False, disable_timing=True, interprocess=True)
-            handle = bytes(cp.cuda.runtime.ipcGetEventHandle(ev.ptr))
-            ring.append((ev, handle))
-            _own_events[handle] = ev
-        except Exception:  # out of event resources: reuse what there is, or synchronize
-            if not ring:
-                stream.synchronize()
-                return None
-            i = 0
-    ev, handle = ring[i]
-    _ring_next[device] = (i + 1) % RING
+    memo = _reductions.message_memo()
+    key = ("cuda-order", device, stream.ptr)
+    if key in memo:
+        return memo[key]
+    handle = memo[key] = None if stream.done else _record_ring(cp, device, stream)
+    return handle
+
+
+def _record_ring(cp, device: int, stream) -> bytes | None:
+    with _lock:
+        ring = _rings.setdefault(device, [])
+        i = _ring_next.get(device, 0)
+        if i >= len(ring):
+            try:
+                ev = cp.cuda.Event(block=False, disable_timing=True, interprocess=True)
+                handle = bytes(cp.cuda.runtime.ipcGetEventHandle(ev.ptr))
+                ring.append((ev, handle))
+                _own_events[handle] = ev
+            except Exception:  # out of event resources: reuse what there is, or synchronize
+                if not ring:
+                    stream.synchronize()
+                    return None
+                i = 0
+        ev, handle = ring[i]
+        _ring_next[device] = (i + 1) % RING
     ev.record(stream)
     return handle
 
@@ -363,7 +371,13 @@ def _releaser() -> None:
 
 
 def wait_event(cp, event_handle: bytes) -> None:
-    """Make the current stream wait for a sender's ring event (the host does not wait)."""
+    """Make the current stream wait for a sender's ring event (the host does not wait);
+    once per message and stream."""
+    memo = _reductions.message_memo()
+    key = ("cuda-wait", event_handle, cp.cuda.get_current_stream().ptr)
+    if key in memo:
+        return
+    memo[key] = True
     own = _own_events.get(event_handle)
     if own is not None:  # sent to ourselves
         cp.cuda.get_current_stream().wait_event(own)

@@ -126,6 +126,16 @@ class Pool(_mpp.Pool):
             _workers.setdefault(inqueue, []).append(proc)
         return proc
 
+    @staticmethod
+    def _help_stuff_finish(inqueue, task_handler, size) -> None:
+        """The stdlib's, but a worker killed while reading holds the task queue's lock for
+        good: terminate() then gives up on it after a second instead of hanging."""
+        if not inqueue._rlock.acquire(timeout=1.0):
+            return
+        while task_handler.is_alive() and inqueue._reader.poll():
+            inqueue._reader.recv_bytes()  # tasks dropped unread: their fds close with them
+            time.sleep(0)
+
     def _break(self, pid: int, code: int) -> None:
         err = WorkerLostError(
             f"pool worker pid {pid} died with {_describe(code)} while {len(self._cache)} "
