@@ -1,7 +1,8 @@
 """GPU part of scripts/bench (run on a CUDA machine): shmtensor beside torch.multiprocessing.
 
 1. The seed's send_many: N small arrays relayed through three processes (producer ->
-   forwarder that copies -> summer); per-array time past start-up = (T(N) - T(N0)) / (N - N0).
+   forwarder that copies -> summer); per-array time past start-up: the summer's own time
+   from its N0-th array to its N-th, / (N - N0), median of REPEATS relays.
 2. A 1 GiB array sent again and again once its allocation is open: time per get().
 
 Usage: python -m benchmarks.bench_cuda [--json FILE] (scripts/gpu_check runs it; scripts/bench
@@ -23,10 +24,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "tests"))  # the CUDA test helpers are the relay's stages
 
 N, N0, SIZE = 10_000, 1_000, 5
+REPEATS = 3
 
 
-def _relay(ctx, targets, count: int) -> float:
-    """Seconds from starting the three stages to the summed result (checked)."""
+def _relay(ctx, targets, count: int) -> dict:
+    """One relay of ``count`` arrays: wall time from starting the three stages to the summed
+    result (checked), and the summer's own time from its N0-th array to its last."""
     q1, q2, q3 = ctx.Queue(), ctx.Queue(), ctx.Queue()
     e = ctx.Event()
     send, forward, total = targets
@@ -36,18 +39,35 @@ def _relay(ctx, targets, count: int) -> float:
     t0 = time.perf_counter()
     for p in procs:
         p.start()
-    result = q3.get(timeout=600)
-    dt = time.perf_counter() - t0
+    result, steady_s = q3.get(timeout=600)
+    wall = time.perf_counter() - t0
     assert int(result[0]) == count * (count - 1) // 2
     del result
     e.set()
-    t1 = time.perf_counter()
     for p in procs:
         p.join(60)
-    if time.perf_counter() - t1 > 5:
-        print(f"  (stages took {time.perf_counter() - t1:.1f} s to exit; exit codes "
-              f"{[p.exitcode for p in procs]})", flush=True)
-    return dt
+    return {"wall_s": wall, "per_array_s": steady_s / (count - N0)}
+
+
+def _relays(ctx, targets) -> dict:
+    """The median of ``REPEATS`` relays of N arrays (per array past the first N0)."""
+    runs = sorted((_relay(ctx, targets, N) for _ in range(REPEATS)),
+                  key=lambda r: r["per_array_s"])
+    mid = runs[len(runs) // 2]
+    return {"per_array_s": mid["per_array_s"], "wall_s": mid["wall_s"],
+            "runs_per_array_s": [r["per_array_s"] for r in runs]}
+
+
+def _timed_sum(q2, q3, e, count, make_zeros):
+    """The last stage: sum what arrives; time from the N0-th array to the last."""
+    s = make_zeros()
+    t = None
+    for i in range(count):
+        if i == N0:
+            t = time.perf_counter()
+        s += q2.get()
+    q3.put((s, time.perf_counter() - t))
+    e.wait(600)
 
 
 def _shm_send(q, e, count, mode):
@@ -62,18 +82,19 @@ def _shm_forward(q1, q2, e, count, mode):
 
 
 def _shm_sum(q2, q3, e, count, mode):
-    import numpy as np
+    import cupy as cp
     import cuda_helpers as ch
-    ch.receive_and_send_sum(q2, q3, e, np.int64, count, SIZE, mode)
+    ch.use(mode)
+    _timed_sum(q2, q3, e, count, lambda: cp.zeros([SIZE], dtype=cp.int64))
 
 
-def _relay_shm(count: int, mode: str) -> float:
+def _relay_shm(mode: str) -> dict:
     """``mode``: "vmm" (each stage allocates with shmtensor.cuda.set_allocator()) or "ipc"
     (CuPy's default pool, legacy CUDA IPC)."""
     import functools
     import shmtensor.multiprocessing as smp
     stages = tuple(functools.partial(f, mode=mode) for f in (_shm_send, _shm_forward, _shm_sum))
-    return _relay(smp.get_context("spawn"), stages, count)
+    return _relays(smp.get_context("spawn"), stages)
 
 
 def _torch_send(q, e, count):
@@ -91,16 +112,12 @@ def _torch_forward(q1, q2, e, count):
 
 def _torch_sum(q2, q3, e, count):
     import torch
-    s = torch.zeros([SIZE], device="cuda", dtype=torch.long)
-    for _ in range(count):
-        s += q2.get()
-    q3.put(s)
-    e.wait(600)
+    _timed_sum(q2, q3, e, count, lambda: torch.zeros([SIZE], device="cuda", dtype=torch.long))
 
 
-def _relay_torch(count: int) -> float:
+def _relay_torch() -> dict:
     import torch.multiprocessing as tmp
-    return _relay(tmp.get_context("spawn"), (_torch_send, _torch_forward, _torch_sum), count)
+    return _relays(tmp.get_context("spawn"), (_torch_send, _torch_forward, _torch_sum))
 
 
 def _big_sender(q, e, reps, mode):
@@ -139,15 +156,11 @@ def _big_array(mode: str, reps: int = 50) -> dict:
 def measure() -> dict:
     res = {}
     for mode, label in (("vmm", "shmtensor_relay"), ("ipc", "shmtensor_relay_cupy_pool")):
-        shm = {n: _relay_shm(n, mode) for n in (N0, N)}
-        res[label] = {"T1000_s": shm[N0], "T10000_s": shm[N],
-                      "per_array_s": (shm[N] - shm[N0]) / (N - N0)}
+        res[label] = _relay_shm(mode)
         print(f"  cuda         relay ({mode}) {res[label]['per_array_s'] * 1e6:.0f} us per array",
               file=sys.stderr, flush=True)
     try:
-        tor = {n: _relay_torch(n) for n in (N0, N)}
-        res["torch_relay"] = {"T1000_s": tor[N0], "T10000_s": tor[N],
-                              "per_array_s": (tor[N] - tor[N0]) / (N - N0)}
+        res["torch_relay"] = _relay_torch()
         print(f"  cuda         relay (torch) {res['torch_relay']['per_array_s'] * 1e6:.0f} us per "
               "array", file=sys.stderr, flush=True)
     except ImportError:
@@ -161,15 +174,16 @@ def section(res: dict) -> Section:
     torch = res["torch_relay"]
     rows = [(f"relay of {N:,} arrays of {SIZE} int64, 3 processes ({label})",
              f"{r['per_array_s'] * 1e6:.0f} us/array",
-             f"{r['T1000_s']:.2f} s / {r['T10000_s']:.2f} s")
+             " / ".join(f"{x * 1e6:.0f}" for x in r["runs_per_array_s"]), f"{r['wall_s']:.2f} s")
             for label, r in (("shmtensor, shared VMM allocator", res["shmtensor_relay"]),
                              ("shmtensor, CuPy's pool (legacy IPC)",
                               res["shmtensor_relay_cupy_pool"]),
                              ("torch.multiprocessing", torch)) if r is not None]
     rows += [(f"1 GiB array re-sent once open ({label})",
-              f"{b['median_get_s'] * 1e6:.0f} us/get", f"first get {b['first_get_s'] * 1e3:.0f} ms")
+              f"{b['median_get_s'] * 1e6:.0f} us/get", "",
+              f"first get {b['first_get_s'] * 1e3:.0f} ms")
              for label, b in (("legacy IPC", res["big_array"]), ("VMM", res["big_array_vmm"]))]
-    table = _report.format_rows(("what", "per item", f"T({N0:,}) / T({N:,})"), rows)
+    table = _report.format_rows(("what", "per item (median)", "runs, us", "wall"), rows)
     per = res["shmtensor_relay"]["per_array_s"]
     targets = [
         _report.target("relay per array: torch.multiprocessing / shmtensor (VMM allocator)",
@@ -184,7 +198,9 @@ def section(res: dict) -> Section:
     ]
     return Section(key="cuda", title="CUDA: CuPy arrays between processes (GPU machine)",
                    table=table, targets=targets, data=res,
-                   notes=["per array = (T(10,000) - T(1,000)) / 9,000: start-up excluded"])
+                   notes=[f"per array: the last stage's own time from its {N0:,}th array to "
+                          f"its {N:,}th, / {N - N0:,} (start-up excluded); median of "
+                          f"{REPEATS} relays"])
 
 
 def run() -> Section:
