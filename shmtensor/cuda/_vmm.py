@@ -46,22 +46,27 @@ _granularity: dict[int, int] = {}
 _bus_ids: dict[int, str] = {}
 
 
-class _Slab:
-    """One VMM allocation made here: mapped at ``ptr``, ``fd`` its exported handle."""
+class _Mapped:
+    """A slab mapped in this process at ``ptr``; ``fd`` is what a message carries for it."""
 
-    __slots__ = ("key", "device", "bus_id", "ptr", "size", "fd", "block", "slots", "live")
-
-    def __reduce__(self):
-        return _reduce_slab(self)
-
-
-class _SlabMap:
-    """Another process's slab mapped here; ``users``: blocks of it held by live arrays."""
-
-    __slots__ = ("key", "device", "bus_id", "ptr", "size", "fd", "users")
+    __slots__ = ("key", "device", "bus_id", "ptr", "size", "fd")
 
     def __reduce__(self):
-        return _reduce_slab(self)
+        # fd stays open until the message is sent: the array kept alive with it keeps a
+        # block of this slab live (own slab) or a use of it (mapping) meanwhile.
+        return _rebuild_slab, (self.key, self.bus_id, self.size, _reductions.attach_fd(self.fd))
+
+
+class _Slab(_Mapped):
+    """One VMM allocation made here, cut into blocks of ``block`` bytes."""
+
+    __slots__ = ("block", "slots", "live")
+
+
+class _SlabMap(_Mapped):
+    """Another process's slab; ``users``: its blocks held by live arrays or a message."""
+
+    __slots__ = ("users",)
 
 
 class _Block:
@@ -211,12 +216,6 @@ def reduce_array(cp, arr, mem, owner):
                             arr.dtype.str, table_id, slot, lock_i, ev)
 
 
-def _reduce_slab(s):
-    # s.fd stays open until the message is sent: the array kept alive with it keeps a block
-    # of s live (own slab) or a use of s (mapping), and neither is given back meanwhile.
-    return _rebuild_slab, (s.key, s.bus_id, s.size, _reductions.attach_fd(s.fd))
-
-
 def _rebuild_slab(key: str, bus_id: str, size: int, fd_i: int):
     s = _slabs.get(key)
     if s is not None:  # back where it was made: this process's own mapping
@@ -275,15 +274,10 @@ def _rebuild_array(s, offset, shape, strides, dtype, table_id, slot, lock_i, eve
 def _map_released(m: _SlabMap) -> None:
     with _lock:
         m.users -= 1
-        if len(_maps) > MAPPED_IDLE_LIMIT or m.size > _granularity_of(m.device):
+        # Idle mappings no larger than BYTES / LIMIT can only break the byte limit by
+        # breaking the count limit first: only a larger one needs a look at once.
+        if len(_maps) > MAPPED_IDLE_LIMIT or m.size > MAPPED_IDLE_BYTES // MAPPED_IDLE_LIMIT:
             _evict(MAPPED_IDLE_LIMIT, MAPPED_IDLE_BYTES)
-
-
-def _granularity_of(device: int) -> int:
-    g = _granularity.get(device)
-    if g is None:
-        g = _granularity[device] = cuda_vmm.granularity(device)
-    return g
 
 
 def _evict(keep: int, keep_bytes: int) -> int:
