@@ -12,8 +12,10 @@ Facts this module is built on (Linux):
 
 Frames extend the stdlib Connection's framing, so a frame without fds is exactly what
 ``multiprocessing.connection`` sends (``!i`` length, or ``-1`` then ``!Q`` length) and the
-stdlib's handshakes work on these sockets.  A frame with fds starts ``!i`` ``-2``, then
-``!QI`` (payload length, fd count); the fds ride on that header.  Writers that share a
+stdlib's handshakes work on these sockets.  A frame with fds starts with a negative ``!i``:
+below ``-2`` it packs the payload length (under 8 MiB) and the fd count in those four bytes,
+so a receiver reads the header and then the payload (two reads); otherwise it is ``-2``,
+then ``!QI`` (payload length, fd count).  The fds ride on the header.  Writers that share a
 socket must hold a lock around :func:`send_frame`, as the stdlib's queues already do.
 """
 
@@ -45,8 +47,13 @@ def _anc(fds):
     return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
 
 
+_COMPACT_MAX = (1 << 23) - 1  # payload bytes a compact fd header can say
+
+
 def _header(n: int, fds) -> bytes:
     if fds:
+        if n <= _COMPACT_MAX and len(fds) <= MAX_FDS:
+            return _SMALL.pack(-3 - (n << 8 | len(fds)))
         return _WITH_FDS.pack(-2, n, len(fds))
     if n < 0x7FFFFFFF:
         return _SMALL.pack(n)
@@ -132,6 +139,8 @@ def recv_frame(sock: socket.socket) -> tuple[bytearray, list[int]]:
         (n,) = _Q.unpack(_recv_exact_msg(sock, 8, fds, dropped))
     elif code == -2:
         n, nfds = _QI.unpack(_recv_exact_msg(sock, 12, fds, dropped))
+    elif (-3 - code) & 0xFF:
+        n, nfds = divmod(-3 - code, 256)
     else:
         for fd in fds:
             _close_quietly(fd)

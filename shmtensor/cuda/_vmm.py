@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
 from collections import OrderedDict, deque
 
 from ipc import cuda_ipc, cuda_vmm, ofd_lease
@@ -41,7 +40,7 @@ _slabs: dict[str, "_Slab"] = {}                      # own slabs by key
 _free: dict[tuple, list] = {}                        # (device, stream, block) -> [(slab, i)]
 _held: dict[tuple, deque] = {}                       # same keys: freed here, held elsewhere
 _maps: "OrderedDict[str, _SlabMap]" = OrderedDict()  # other processes' slabs, LRU
-_uses: "weakref.WeakValueDictionary[tuple, _VUse]" = weakref.WeakValueDictionary()
+_uses: "dict[tuple, _ipc.UseRef]" = {}              # (table, slot) -> the live use's ref
 _granularity: dict[int, int] = {}
 _bus_ids: dict[int, str] = {}
 
@@ -253,22 +252,32 @@ def _rebuild_array(s, offset, shape, strides, dtype, table_id, slot, lock_i, eve
     lease_fd = _reductions.received_fd(lock_i)
     k = (table_id, slot)
     with _lock:
-        use = _uses.get(k)
+        ref = _uses.get(k)
+        use = ref() if ref is not None else None
         if use is None:
             ofd_lease.hold(table_id, slot, lease_fd)
-            use = _uses[k] = _VUse()
+            use = _VUse()
             use.slab, use.table_id, use.slot = s, table_id, slot
             done = None
             if isinstance(s, _SlabMap):
                 s.users += 1
                 done = lambda: _map_released(s)  # noqa: E731
-            f = weakref.finalize(use, _ipc._release, s.device, table_id, slot, done)
-            f.atexit = False
+            _uses[k] = _ipc.use_ref(use, k, (s.device, table_id, slot, done), _use_died)
     mem = cp.cuda.UnownedMemory(s.ptr, s.size, use, s.device)
     with cp.cuda.Device(s.device):
         if event_handle is not None:
             _ipc.wait_event(cp, event_handle)
         return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
+
+
+def _use_died(r) -> None:
+    try:
+        with _lock:
+            if _uses.get(r.key) is r:
+                del _uses[r.key]
+        _ipc._release(*r.args)
+    except Exception:  # interpreter shutdown: dying releases anyway
+        pass
 
 
 def _map_released(m: _SlabMap) -> None:

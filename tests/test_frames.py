@@ -1,0 +1,105 @@
+"""Frames of bytes and fds over a Unix socket (ipc.scm_rights): every header form, in order."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import tempfile
+import threading
+
+import pytest
+
+from ipc import scm_rights
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _files(n: int) -> list[int]:
+    fds = []
+    for _ in range(n):
+        fd, path = tempfile.mkstemp()
+        os.unlink(path)
+        fds.append(fd)
+    return fds
+
+
+def _send_in_thread(sock, frames) -> threading.Thread:
+    th = threading.Thread(target=lambda: [scm_rights.send_frame(sock, d, f) for d, f in frames])
+    th.start()
+    return th
+
+
+def _same_file(a: int, b: int) -> bool:
+    sa, sb = os.fstat(a), os.fstat(b)
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def test_every_header_form_in_one_stream(pair):
+    a, b = pair
+    sent = _files(300)
+    compact_max = scm_rights._COMPACT_MAX
+    frames = [
+        (b"no fds", []),
+        (b"", sent[:1]),                                   # compact, empty payload
+        (b"x" * 100, sent[:2]),                            # compact
+        (bytes(compact_max), sent[2:3]),                   # compact, largest payload
+        (bytes(compact_max + 1), sent[3:4]),               # -2 header: payload too long
+        (b"many", sent),                                   # -2 header: more than 253 fds
+        (b"last", []),
+    ]
+    th = _send_in_thread(a, frames)
+    try:
+        for data, fds in frames:
+            got, got_fds = scm_rights.recv_frame(b)
+            try:
+                assert bytes(got) == data
+                assert len(got_fds) == len(fds)
+                assert all(_same_file(x, y) for x, y in zip(fds, got_fds))
+            finally:
+                for fd in got_fds:
+                    os.close(fd)
+    finally:
+        th.join(30)
+        for fd in sent:
+            os.close(fd)
+
+
+def test_compact_header_is_one_int(pair):
+    a, b = pair
+    (fd,) = _files(1)
+    try:
+        scm_rights.send_frame(a, b"abc", [fd])
+        raw, anc, _, _ = b.recvmsg(64, socket.CMSG_SPACE(4))
+        (code,) = struct.unpack("!i", raw[:4])
+        assert code == -3 - (3 << 8 | 1) and raw[4:] == b"abc"
+        for _, _, payload in anc:
+            for got in struct.unpack(f"{len(payload) // 4}i", payload):
+                os.close(got)
+    finally:
+        os.close(fd)
+
+
+def test_a_header_that_says_fds_but_none_is_refused(pair):
+    a, b = pair
+    a.sendall(struct.pack("!i", -3 - (5 << 8)) + b"12345")  # "five bytes, zero fds"
+    with pytest.raises(OSError, match="does not speak this protocol"):
+        scm_rights.recv_frame(b)
+
+
+def test_try_send_frame_uses_the_same_headers(pair):
+    a, b = pair
+    (fd,) = _files(1)
+    try:
+        assert scm_rights.try_send_frame(a, b"quick", [fd])
+        got, got_fds = scm_rights.recv_frame(b)
+        assert bytes(got) == b"quick" and len(got_fds) == 1 and _same_file(fd, got_fds[0])
+        os.close(got_fds[0])
+    finally:
+        os.close(fd)
