@@ -18,19 +18,27 @@ A message that carries segments carries an *in-flight* description with the same
 locked, so nothing is reusable between the sender letting go and the receiver taking hold.
 The creator may reuse segment ``i`` once nobody holds byte ``i``: every array view in every
 process is gone, no message carrying it is in flight, or the holders are dead.
+
+A receiver may also keep a message's in-flight description as its hold, when that
+description covers exactly the one slot it needs (:func:`establish`): then no lock is taken
+or dropped on receipt, and letting go is one ``close``.  Linux keeps one list of record
+locks per file and every lock change walks it, so with many messages in flight (each one a
+lock on its sender's table) each lock operation saved is worth several microseconds.
+The number of descriptions kept this way is bounded (:func:`kept_budget`).
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import resource
 import struct
 import threading
 
 from .posix_shm import PREFIX, process_tag
 
-__all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "adopt_table", "hold", "release",
-           "inflight_fd", "probe_held", "forget_idle", "own_fds", "table_count",
+__all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "adopt_table", "hold", "establish",
+           "release", "inflight_fd", "kept_budget", "probe_held", "forget_idle", "own_fds", "table_count",
            "before_fork", "after_fork_in_parent", "after_fork_in_child"]
 
 HAVE_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")
@@ -81,12 +89,16 @@ class LeaseTable:
 class _Holding:
     """This process's one description of a table, and how many holds it has on each slot."""
 
-    __slots__ = ("table_id", "fd", "counts", "lock", "fork_fd")
+    __slots__ = ("table_id", "fd", "counts", "by", "lock", "fork_fd")
 
     def __init__(self, table_id: str, fd: int) -> None:
         self.table_id = table_id
         self.fd = fd  # -1 once forgotten (forget_idle): hold() then adopts anew
         self.counts: dict[int, int] = {}
+        # What holds each counted slot: -1 a lock through ``fd``, else a kept in-flight
+        # description (closed on release).  A counted slot missing here is still covered
+        # by the in-flight description of a message being loaded (see hold's ``deferred``).
+        self.by: dict[int, int] = {}
         # Re-entrant: a finalizer releasing a hold may run inside hold() (a GC pass).
         self.lock = threading.RLock()
         self.fork_fd = -1
@@ -119,9 +131,14 @@ def adopt_table(table_id: str, fd: int) -> _Holding:
     return h
 
 
-def hold(table_id: str, slot: int, fd_source: int | None = None) -> None:
+def hold(table_id: str, slot: int, fd_source: int | None = None,
+         deferred: list | None = None) -> None:
     """Hold ``slot`` of ``table_id`` through this process's description of it (made from
-    ``fd_source`` if this process has none, e.g. after :func:`forget_idle`)."""
+    ``fd_source`` if this process has none, e.g. after :func:`forget_idle`).
+
+    ``deferred``: the caller is loading a message whose in-flight description
+    ``fd_source`` covers the slot until the load ends; a new hold is then only counted, and
+    ``(table_id, slot, fd_source)`` appended, for :func:`establish` at the end of the load."""
     while True:
         h = _holdings.get(table_id)
         if h is None:
@@ -133,12 +150,54 @@ def hold(table_id: str, slot: int, fd_source: int | None = None) -> None:
                 continue
             n = h.counts.get(slot, 0)
             if n == 0:
-                _setlk(h.fd, fcntl.F_RDLCK, slot)
+                if deferred is None or fd_source is None:
+                    _setlk(h.fd, fcntl.F_RDLCK, slot)
+                    h.by[slot] = -1
+                else:
+                    deferred.append((table_id, slot, fd_source))
             h.counts[slot] = n + 1
             return
 
 
+_kept = 0  # in-flight descriptions kept as holds, in all tables
+_budget: list[int] = []
+
+
+def kept_budget() -> int:
+    """How many in-flight descriptions this process keeps as holds: an eighth of its fd
+    limit when first asked, at most 256 (beyond that, holds are locks through the table's
+    one description)."""
+    if not _budget:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            soft = 1 << 16
+        _budget.append(max(0, min(256, soft // 8)))
+    return _budget[0]
+
+
+def establish(table_id: str, slot: int, inflight: int, sole: bool) -> bool:
+    """End of a load: turn a deferred hold into a real one before ``inflight`` (the
+    message's description, covering ``slot``) is closed.  ``sole``: ``inflight`` covers no
+    other slot, so it may itself become the hold.  Returns True when it did (the caller
+    must then not close ``inflight``)."""
+    global _kept
+    h = _holdings.get(table_id)
+    if h is None:  # let go during the load, and the table forgotten since
+        return False
+    with h.lock:
+        if h.counts.get(slot, 0) == 0 or slot in h.by:
+            return False  # let go during the load, or held some other way meanwhile
+        if sole and _kept < kept_budget():
+            h.by[slot] = inflight
+            _kept += 1
+            return True
+        _setlk(h.fd, fcntl.F_RDLCK, slot)
+        h.by[slot] = -1
+        return False
+
+
 def release(table_id: str, slot: int) -> None:
+    global _kept
     h = _holdings.get(table_id)
     if h is None:
         return
@@ -146,11 +205,15 @@ def release(table_id: str, slot: int) -> None:
         n = h.counts.get(slot, 0)
         if n <= 1:
             h.counts.pop(slot, None)
-            if n == 1:
-                try:
+            by = h.by.pop(slot, None)
+            try:
+                if by == -1:
                     _setlk(h.fd, fcntl.F_UNLCK, slot)
-                except OSError:  # fd closed at interpreter shutdown: dying releases anyway
-                    pass
+                elif by is not None:
+                    _kept -= 1
+                    os.close(by)
+            except OSError:  # fd closed at interpreter shutdown: dying releases anyway
+                pass
         else:
             h.counts[slot] = n - 1
 
@@ -223,16 +286,21 @@ def after_fork_in_parent() -> None:
 
 def after_fork_in_child() -> None:
     """Adopt the descriptions made before the fork: the parent's locks stay the parent's."""
-    global _own, _registry_lock
+    global _own, _registry_lock, _kept
     _registry_lock = threading.Lock()
     if _own is not None:
         _own.close()
         _own = None  # the parent's table: the child allocates slots in a table of its own
+    _kept = 0
     for tid, h in list(_holdings.items()):
         old, h.fd, h.fork_fd = h.fd, h.fork_fd, -1
         h.lock = threading.RLock()
         if old >= 0:
             os.close(old)
+        for by in h.by.values():  # the parent's kept descriptions: the parent lets go of them
+            if by >= 0:
+                os.close(by)
+        h.by = dict.fromkeys(h.counts, -1)  # all held through the description made before fork
         if h.fd < 0:
             if h.counts:
                 import warnings

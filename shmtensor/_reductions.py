@@ -174,6 +174,19 @@ def take_received_fd(i: int) -> int:
     return fd
 
 
+def received_lease(table_id: str, slot: int, lock_i: int) -> tuple[int, list]:
+    """The in-flight description ``lock_i`` that covers ``slot`` of ``table_id`` in the
+    message being unpickled, and the list to give ``ofd_lease.hold`` as ``deferred``: a new
+    hold is made real when the message is loaded, by keeping that description itself when
+    it covers this one slot alone."""
+    ctx = _local.recv
+    claims = ctx.claims.get(lock_i)
+    if claims is None:
+        claims = ctx.claims[lock_i] = set()
+    claims.add((table_id, slot))
+    return received_fd(lock_i), ctx.deferred
+
+
 def received_fd(i: int) -> int:
     """The ``i``-th fd that came with the message being unpickled."""
     ctx: _RecvContext | None = getattr(_local, "recv", None)
@@ -292,12 +305,21 @@ def dumps(obj, by_value: bool = False) -> tuple[memoryview, SendContext]:
 
 
 class _RecvContext:
-    __slots__ = ("fds", "after", "memo")
+    __slots__ = ("fds", "after", "memo", "claims", "deferred")
 
     def __init__(self, fds: list[int]) -> None:
         self.fds = fds
         self.after: list = []
         self.memo: dict = {}
+        self.claims: dict[int, set] = {}  # in-flight description's index -> slots it covers
+        self.deferred: list = []          # holds to make real once loaded (ofd_lease.hold)
+
+    def establish(self) -> None:
+        """Make the deferred holds real, keeping a description that covers one slot."""
+        for table_id, slot, fd in self.deferred:
+            i = self.fds.index(fd)
+            if ofd_lease.establish(table_id, slot, fd, len(self.claims.get(i, ())) == 1):
+                self.fds[i] = -1  # kept: not closed below
 
 
 def loads(data, fds: list[int]):
@@ -311,6 +333,8 @@ def loads(data, fds: list[int]):
         return pickle.loads(data)
     finally:
         _local.recv = prev
+        if ctx.deferred:
+            ctx.establish()
         for fn in ctx.after:
             fn()
         for fd in fds:
@@ -322,9 +346,10 @@ def loads(data, fds: list[int]):
 
 
 def _rebuild_segment(key, kind, size, table_id, slot, data_i, lock_i):
-    lease_fd = received_fd(lock_i)
+    lease_fd, deferred = received_lease(table_id, slot, lock_i)
     anchor, took = _segments.receive(key, kind, size, table_id, slot,
-                                     received_fd(data_i) if data_i >= 0 else None, lease_fd)
+                                     received_fd(data_i) if data_i >= 0 else None, lease_fd,
+                                     deferred)
     if took:
         take_received_fd(data_i)
     return anchor

@@ -37,9 +37,10 @@ class Segment:
     __slots__ = ("key", "kind", "size", "table_id", "slot", "own", "mm", "fd", "address",
                  "_anchor", "idle_since", "pinned", "__weakref__")
 
-    def anchor(self, lease_fd: int | None = None) -> np.ndarray:
+    def anchor(self, lease_fd: int | None = None, deferred: list | None = None) -> np.ndarray:
         """The live anchor (made, and the lease held, if none is alive).  ``lease_fd``: a
-        description of the segment's lease table, for a process that has none yet."""
+        description of the segment's lease table, for a process that has none yet (and,
+        with ``deferred``, the message's in-flight lock: see ``ofd_lease.hold``)."""
         ref = self._anchor
         a = ref() if ref is not None else None
         if a is None:
@@ -49,7 +50,7 @@ class Segment:
                     if self.mm is None:
                         raise LookupError(f"segment {self.key} was unmapped here")
                     a = np.frombuffer(self.mm.buffer, np.uint8, count=self.size)
-                    ofd_lease.hold(self.table_id, self.slot, lease_fd)
+                    ofd_lease.hold(self.table_id, self.slot, lease_fd, deferred)
                     self._anchor = weakref.ref(a)
                     f = weakref.finalize(a, _anchor_died, self)
                     f.atexit = False
@@ -148,15 +149,15 @@ def segment_of(a) -> Segment | None:
 
 
 def receive(key: str, kind: str, size: int, table_id: str, slot: int, fd: int | None,
-            lease_fd: int) -> tuple[np.ndarray, bool]:
+            lease_fd: int, deferred: list | None = None) -> tuple[np.ndarray, bool]:
     """The anchor of segment ``key`` here, mapping the segment if this process has not
-    (from ``fd``, or by name); ``lease_fd`` came with the message (its in-flight lock).
-    Returns (anchor, whether ``fd`` was kept)."""
+    (from ``fd``, or by name); ``lease_fd`` came with the message (its in-flight lock;
+    ``deferred`` as for ``ofd_lease.hold``).  Returns (anchor, whether ``fd`` was kept)."""
     global _kept_fds
     with _lock:  # lookup, map and anchor as one step: eviction cannot slip in between
         seg = _by_key.get(key)
         if seg is not None and seg.mm is not None:
-            return seg.anchor(lease_fd), False
+            return seg.anchor(lease_fd, deferred), False
         mapfd = fd if kind == FD else posix_shm.open_named(key)
         try:
             seg = new_segment(key, kind, size, table_id, slot, own=False, fd=mapfd)
@@ -172,7 +173,7 @@ def receive(key: str, kind: str, size: int, table_id: str, slot: int, fd: int | 
             if kind == FS:
                 os.close(mapfd)
         _by_key[key] = seg
-        anchor = seg.anchor(lease_fd)
+        anchor = seg.anchor(lease_fd, deferred)
     _stats.bump("segments_attached")
     _stats.bump("bytes_attached", size)
     return anchor, took

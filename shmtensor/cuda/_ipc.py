@@ -116,10 +116,10 @@ def _mapping_use_died(r: UseRef) -> None:
         pass
 
 
-def _use_of(m: _Mapping, lease_fd: int) -> _Use:
+def _use_of(m: _Mapping, lease_fd: int, deferred: list) -> _Use:
     use = m.use() if m.use is not None else None
     if use is None:
-        ofd_lease.hold(m.table_id, m.slot, lease_fd)
+        ofd_lease.hold(m.table_id, m.slot, lease_fd, deferred)
         use = _Use()
         use.mapping = m
         m.use = use_ref(use, None, (m.device, m.table_id, m.slot), _mapping_use_died)
@@ -438,7 +438,7 @@ def _own_export(table_id: str, slot: int) -> _Export | None:
 def _rebuild_cupy_array(handle, bus_id, size, offset, shape, strides, dtype, table_id, slot,
                         lock_i, event_handle):
     cp = cupy()
-    lease_fd = _reductions.received_fd(lock_i)
+    lease_fd, deferred = _reductions.received_lease(table_id, slot, lock_i)
     device = _local_device(cp, bus_id)
     ex = _own_export(table_id, slot)
     if ex is not None:  # back in the process that exported it: its own memory, no IPC
@@ -459,7 +459,7 @@ def _rebuild_cupy_array(handle, bus_id, size, offset, shape, strides, dtype, tab
                     m.table_id, m.slot, m.use = table_id, slot, None
                     _mapped[handle] = m
             _mapped.move_to_end(handle)
-            use = _use_of(m, lease_fd)
+            use = _use_of(m, lease_fd, deferred)
             mem = cp.cuda.UnownedMemory(m.ptr, size, use, device)
         if event_handle is not None:
             wait_event(cp, event_handle)

@@ -249,13 +249,13 @@ def _pinned(m: "_SlabMap") -> "_SlabMap":
 
 def _rebuild_array(s, offset, shape, strides, dtype, table_id, slot, lock_i, event_handle):
     cp = _ipc.cupy()
-    lease_fd = _reductions.received_fd(lock_i)
+    lease_fd, deferred = _reductions.received_lease(table_id, slot, lock_i)
     k = (table_id, slot)
     with _lock:
         ref = _uses.get(k)
         use = ref() if ref is not None else None
         if use is None:
-            ofd_lease.hold(table_id, slot, lease_fd)
+            ofd_lease.hold(table_id, slot, lease_fd, deferred)
             use = _VUse()
             use.slab, use.table_id, use.slot = s, table_id, slot
             done = None

@@ -1,0 +1,120 @@
+"""How a received array's lease is held: by the message's own in-flight description when it
+covers that one slot, by a lock through the table's description otherwise; across fork."""
+
+import gc
+
+import numpy as np
+
+import shmtensor
+import shmtensor.multiprocessing as smp
+from ipc import ofd_lease
+from shmtensor import _segments
+
+from conftest import JOIN
+
+
+def _send_to_self(box: list):
+    """Send ``box``'s one item to this process, dropping every other reference to it (so
+    the receipt holds the lease anew) before receiving it."""
+    r, w = smp.Pipe(duplex=False)
+    try:
+        w.send(box.pop())
+        gc.collect()
+        return r.recv()
+    finally:
+        r.close()
+        w.close()
+
+
+def _holding(seg):
+    return ofd_lease._holdings[seg.table_id]
+
+
+def test_a_sole_slot_is_held_by_the_kept_inflight_description():
+    a = shmtensor.zeros(10_000)
+    seg = _segments.segment_of(a)
+    table = ofd_lease.own_table()
+    kept_before = ofd_lease._kept
+    box = [a]
+    del a
+    b = _send_to_self(box)
+    assert _holding(seg).by[seg.slot] >= 0  # the message's description, kept
+    assert ofd_lease._kept == kept_before + 1
+    assert table.is_held(seg.slot)
+    b[:] = 3
+    del b
+    gc.collect()
+    assert seg.slot not in _holding(seg).by
+    assert ofd_lease._kept == kept_before
+    assert not table.is_held(seg.slot)
+
+
+def test_a_description_covering_two_slots_is_not_kept():
+    a1, a2 = shmtensor.zeros(10_000), shmtensor.ones(10_000)
+    s1, s2 = _segments.segment_of(a1), _segments.segment_of(a2)
+    assert s1.table_id == s2.table_id and s1.slot != s2.slot
+    table = ofd_lease.own_table()
+    box = [[a1, a2]]
+    del a1, a2
+    got = _send_to_self(box)
+    assert _holding(s1).by[s1.slot] == -1 and _holding(s2).by[s2.slot] == -1
+    assert table.is_held(s1.slot) and table.is_held(s2.slot)
+    assert float(got[1].sum()) == 10_000
+    del got
+    gc.collect()
+    assert not table.is_held(s1.slot) and not table.is_held(s2.slot)
+
+
+def test_past_the_budget_holds_are_locks(monkeypatch):
+    monkeypatch.setattr(ofd_lease, "_budget", [0])
+    a = shmtensor.zeros(10_000)
+    seg = _segments.segment_of(a)
+    box = [a]
+    del a
+    b = _send_to_self(box)
+    assert _holding(seg).by[seg.slot] == -1
+    assert ofd_lease.own_table().is_held(seg.slot)
+    del b
+    gc.collect()
+    assert not ofd_lease.own_table().is_held(seg.slot)
+
+
+_INHERITED: list = []
+
+
+def _drop_inherited_then_wait(ready, go):
+    _INHERITED.clear()  # the child's copy of the received array dies: its hold goes
+    gc.collect()
+    ready.set()
+    go.wait(JOIN)
+
+
+def test_a_forked_child_does_not_keep_the_parents_kept_description():
+    ctx = smp.get_context("fork")
+    a = shmtensor.zeros(10_000)
+    seg = _segments.segment_of(a)
+    table = ofd_lease.own_table()
+    box = [a]
+    del a
+    _INHERITED.append(_send_to_self(box))
+    assert _holding(seg).by[seg.slot] >= 0
+    ready, go = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_drop_inherited_then_wait, args=(ready, go))
+    p.start()
+    try:
+        assert ready.wait(JOIN)
+        _INHERITED.clear()  # the parent lets go too
+        gc.collect()
+        # both let go while the child still lives: had the child kept its inherited copy
+        # of the parent's description, the slot would still be held
+        assert not table.is_held(seg.slot)
+    finally:
+        go.set()
+        p.join(JOIN)
+    assert p.exitcode == 0
+    _INHERITED.clear()
+
+
+def test_numpy_reference_values_survive_the_round_trip():
+    b = _send_to_self([shmtensor.full(1000, 7, dtype=np.int32)])
+    assert b.dtype == np.int32 and int(b.sum()) == 7000
