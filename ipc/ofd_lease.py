@@ -139,6 +139,7 @@ def hold(table_id: str, slot: int, fd_source: int | None = None,
     ``deferred``: the caller is loading a message whose in-flight description
     ``fd_source`` covers the slot until the load ends; a new hold is then only counted, and
     ``(table_id, slot, fd_source)`` appended, for :func:`establish` at the end of the load."""
+    entry = (table_id, slot, fd_source)  # made outside h.lock: no GC pass in there for it
     while True:
         h = _holdings.get(table_id)
         if h is None:
@@ -154,12 +155,13 @@ def hold(table_id: str, slot: int, fd_source: int | None = None,
                     _setlk(h.fd, fcntl.F_RDLCK, slot)
                     h.by[slot] = -1
                 else:
-                    deferred.append((table_id, slot, fd_source))
+                    deferred.append(entry)
             h.counts[slot] = n + 1
             return
 
 
-_kept = 0  # in-flight descriptions kept as holds, in all tables
+_kept = 0  # in-flight descriptions kept as holds, in all tables (under _kept_lock)
+_kept_lock = threading.Lock()
 _budget: list[int] = []
 
 
@@ -184,20 +186,33 @@ def establish(table_id: str, slot: int, inflight: int, sole: bool) -> bool:
     h = _holdings.get(table_id)
     if h is None:  # let go during the load, and the table forgotten since
         return False
+    budget = kept_budget()
     with h.lock:
         if h.counts.get(slot, 0) == 0 or slot in h.by:
             return False  # let go during the load, or held some other way meanwhile
-        if sole and _kept < kept_budget():
+        keep = False
+        if sole:
+            with _kept_lock:
+                if _kept < budget:
+                    _kept += 1
+                    keep = True
+        if keep:
             h.by[slot] = inflight
-            _kept += 1
-            return True
-        _setlk(h.fd, fcntl.F_RDLCK, slot)
-        h.by[slot] = -1
-        return False
+        else:
+            _setlk(h.fd, fcntl.F_RDLCK, slot)
+            h.by[slot] = -1
+        if h.counts.get(slot, 0) == 0:  # released by a finalizer that ran meanwhile: undo
+            h.by.pop(slot, None)
+            if keep:  # the caller closes ``inflight``
+                with _kept_lock:
+                    _kept -= 1
+            else:
+                _setlk(h.fd, fcntl.F_UNLCK, slot)
+            return False
+        return keep
 
 
 def release(table_id: str, slot: int) -> None:
-    global _kept
     h = _holdings.get(table_id)
     if h is None:
         return
@@ -205,17 +220,24 @@ def release(table_id: str, slot: int) -> None:
         n = h.counts.get(slot, 0)
         if n <= 1:
             h.counts.pop(slot, None)
-            by = h.by.pop(slot, None)
-            try:
-                if by == -1:
-                    _setlk(h.fd, fcntl.F_UNLCK, slot)
-                elif by is not None:
-                    _kept -= 1
-                    os.close(by)
-            except OSError:  # fd closed at interpreter shutdown: dying releases anyway
-                pass
+            _let_go(h, slot)
         else:
             h.counts[slot] = n - 1
+
+
+def _let_go(h: _Holding, slot: int) -> None:
+    """Drop what physically holds ``slot`` (caller holds ``h.lock``; the count is 0)."""
+    global _kept
+    by = h.by.pop(slot, None)
+    try:
+        if by == -1:
+            _setlk(h.fd, fcntl.F_UNLCK, slot)
+        elif by is not None:
+            with _kept_lock:
+                _kept -= 1
+            os.close(by)
+    except OSError:  # fd closed at interpreter shutdown: dying releases anyway
+        pass
 
 
 def inflight_fd(table_id: str, slots) -> int:
@@ -286,8 +308,9 @@ def after_fork_in_parent() -> None:
 
 def after_fork_in_child() -> None:
     """Adopt the descriptions made before the fork: the parent's locks stay the parent's."""
-    global _own, _registry_lock, _kept
+    global _own, _registry_lock, _kept, _kept_lock
     _registry_lock = threading.Lock()
+    _kept_lock = threading.Lock()
     if _own is not None:
         _own.close()
         _own = None  # the parent's table: the child allocates slots in a table of its own

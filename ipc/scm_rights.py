@@ -38,6 +38,9 @@ _QI = struct.Struct("!QI")
 _ANC_SIZE = socket.CMSG_SPACE(MAX_FDS * 4) if HAVE_SCM_RIGHTS else 0
 _INLINE = 1 << 16
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)
+# Received fds are close-on-exec, as Python makes its own: a kept one (a lease) must not
+# live on in a program this process starts.
+_RECV_FLAGS = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
 # A Unix stream socket queues a write in pieces of at most ~36 KB (one page of head plus
 # 32 KB of fragments); a frame no larger is taken whole or not at all by a non-blocking send.
 ATOMIC_MAX = 32 << 10  # a plain int: enum '&' costs microseconds
@@ -115,7 +118,7 @@ def _collect(ancdata, flags, fds: list) -> bool:
 def _recv_exact_msg(sock, size: int, fds: list, dropped: list) -> bytes:
     chunks = []
     while size:
-        data, ancdata, flags, _ = sock.recvmsg(size, _ANC_SIZE)
+        data, ancdata, flags, _ = sock.recvmsg(size, _ANC_SIZE, _RECV_FLAGS)
         if not _collect(ancdata, flags, fds):
             dropped.append(True)
         if not data:

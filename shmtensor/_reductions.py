@@ -314,12 +314,21 @@ class _RecvContext:
         self.claims: dict[int, set] = {}  # in-flight description's index -> slots it covers
         self.deferred: list = []          # holds to make real once loaded (ofd_lease.hold)
 
-    def establish(self) -> None:
-        """Make the deferred holds real, keeping a description that covers one slot."""
+    def establish(self, loaded: bool) -> None:
+        """Make the deferred holds real, keeping a description that covers one slot (only
+        after a complete load: a failed one may not have claimed every slot it covers).
+        Every entry is tried; the first error is raised after."""
+        error = None
         for table_id, slot, fd in self.deferred:
-            i = self.fds.index(fd)
-            if ofd_lease.establish(table_id, slot, fd, len(self.claims.get(i, ())) == 1):
-                self.fds[i] = -1  # kept: not closed below
+            try:
+                i = self.fds.index(fd)
+                sole = loaded and len(self.claims.get(i, ())) == 1
+                if ofd_lease.establish(table_id, slot, fd, sole):
+                    self.fds[i] = -1  # kept: not closed by loads
+            except Exception as e:  # e.g. no locks left: the load fails, nothing leaks
+                error = error or e
+        if error is not None:
+            raise error
 
 
 def loads(data, fds: list[int]):
@@ -329,20 +338,25 @@ def loads(data, fds: list[int]):
     ctx = _RecvContext(fds)
     prev = getattr(_local, "recv", None)
     _local.recv = ctx
+    loaded = False
     try:
-        return pickle.loads(data)
+        obj = pickle.loads(data)
+        loaded = True
+        return obj
     finally:
         _local.recv = prev
-        if ctx.deferred:
-            ctx.establish()
-        for fn in ctx.after:
-            fn()
-        for fd in fds:
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        try:
+            if ctx.deferred:
+                ctx.establish(loaded)
+        finally:
+            for fn in ctx.after:
+                fn()
+            for fd in fds:
+                if fd >= 0:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
 
 
 def _rebuild_segment(key, kind, size, table_id, slot, data_i, lock_i):

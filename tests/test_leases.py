@@ -1,14 +1,18 @@
 """How a received array's lease is held: by the message's own in-flight description when it
 covers that one slot, by a lock through the table's description otherwise; across fork."""
 
+import errno
+import fcntl
 import gc
+import os
 
 import numpy as np
+import pytest
 
 import shmtensor
 import shmtensor.multiprocessing as smp
 from ipc import ofd_lease
-from shmtensor import _segments
+from shmtensor import _reductions, _segments
 
 from conftest import JOIN
 
@@ -118,3 +122,72 @@ def test_a_forked_child_does_not_keep_the_parents_kept_description():
 def test_numpy_reference_values_survive_the_round_trip():
     b = _send_to_self([shmtensor.full(1000, 7, dtype=np.int32)])
     assert b.dtype == np.int32 and int(b.sum()) == 7000
+
+
+def test_a_kept_description_is_not_inherited_by_programs_started_here():
+    a = shmtensor.zeros(10_000)
+    seg = _segments.segment_of(a)
+    box = [a]
+    del a
+    b = _send_to_self(box)
+    kept = _holding(seg).by[seg.slot]
+    assert kept >= 0 and not os.get_inheritable(kept)
+    del b
+
+
+def _fail_to_rebuild(x):
+    raise ValueError("cannot rebuild")
+
+
+class _Unrebuildable:
+    def __init__(self, x) -> None:
+        self.x = x
+
+    def __reduce__(self):
+        return _fail_to_rebuild, (self.x,)
+
+
+def test_a_failed_load_keeps_no_description_for_slots_it_never_reached():
+    a1, a2 = shmtensor.zeros(10_000), shmtensor.ones(10_000)
+    s1, s2 = _segments.segment_of(a1), _segments.segment_of(a2)
+    table = ofd_lease.own_table()
+    box = [[a1, _Unrebuildable(a1), a2]]
+    del a1, a2
+    saved = None
+    try:
+        _send_to_self(box)
+    except ValueError as e:
+        saved = e  # its traceback keeps the first array's anchor alive
+    assert saved is not None
+    gc.collect()
+    assert _holding(s1).by.get(s1.slot, -1) == -1  # a lock, not the shared description
+    assert not table.is_held(s2.slot)  # nobody has the second array: free at once
+    del saved
+    gc.collect()
+    assert not table.is_held(s1.slot)
+
+
+def test_a_lock_failure_at_the_end_of_a_load_leaks_no_fd(monkeypatch):
+    a1, a2 = shmtensor.zeros(10_000), shmtensor.ones(10_000)
+    r, w = smp.Pipe(duplex=False)
+    try:
+        w.send([a1, a2])  # one description covering two slots: locked at the end of the load
+        del a1, a2
+        gc.collect()
+        data, fds = r.recv_frame()
+    finally:
+        r.close()
+        w.close()
+    real = ofd_lease._setlk
+
+    def no_locks(fd, kind, slot):
+        if kind == fcntl.F_RDLCK:
+            raise OSError(errno.ENOLCK, "no locks available")
+        return real(fd, kind, slot)
+
+    monkeypatch.setattr(ofd_lease, "_setlk", no_locks)
+    with pytest.raises(OSError, match="no locks"):
+        _reductions.loads(data, fds)
+    monkeypatch.undo()
+    gc.collect()
+    assert not [fd for fd in fds if os.path.exists(f"/proc/self/fd/{fd}")]

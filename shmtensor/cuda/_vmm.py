@@ -40,7 +40,7 @@ _slabs: dict[str, "_Slab"] = {}                      # own slabs by key
 _free: dict[tuple, list] = {}                        # (device, stream, block) -> [(slab, i)]
 _held: dict[tuple, deque] = {}                       # same keys: freed here, held elsewhere
 _maps: "OrderedDict[str, _SlabMap]" = OrderedDict()  # other processes' slabs, LRU
-_uses: "dict[tuple, _ipc.UseRef]" = {}              # (table, slot) -> the live use's ref
+_uses: "dict[tuple, _ipc.UseRef]" = {}              # (table, slot) -> its use (dead: swept)
 _granularity: dict[int, int] = {}
 _bus_ids: dict[int, str] = {}
 
@@ -263,6 +263,7 @@ def _rebuild_array(s, offset, shape, strides, dtype, table_id, slot, lock_i, eve
                 s.users += 1
                 done = lambda: _map_released(s)  # noqa: E731
             _uses[k] = _ipc.use_ref(use, k, (s.device, table_id, slot, done), _use_died)
+            _sweep_uses()
     mem = cp.cuda.UnownedMemory(s.ptr, s.size, use, s.device)
     with cp.cuda.Device(s.device):
         if event_handle is not None:
@@ -271,13 +272,23 @@ def _rebuild_array(s, offset, shape, strides, dtype, table_id, slot, lock_i, eve
 
 
 def _use_died(r) -> None:
+    # No _lock here: this may run from a GC pass inside another module's locked section.
+    # The dead ref stays in _uses; _rebuild_array replaces it or _sweep_uses drops it.
     try:
-        with _lock:
-            if _uses.get(r.key) is r:
-                del _uses[r.key]
         _ipc._release(*r.args)
     except Exception:  # interpreter shutdown: dying releases anyway
         pass
+
+
+_sweep_at = [1024]
+
+
+def _sweep_uses() -> None:
+    """Drop the dead refs from ``_uses`` once it has doubled (caller holds ``_lock``)."""
+    if len(_uses) >= _sweep_at[0]:
+        for k in [k for k, r in _uses.items() if r() is None]:
+            del _uses[k]
+        _sweep_at[0] = max(1024, 2 * len(_uses))
 
 
 def _map_released(m: _SlabMap) -> None:
