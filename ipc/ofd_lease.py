@@ -38,8 +38,8 @@ import threading
 from .posix_shm import PREFIX, process_tag
 
 __all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "adopt_table", "hold", "establish",
-           "release", "inflight_fd", "kept_budget", "probe_held", "forget_idle", "own_fds", "table_count",
-           "before_fork", "after_fork_in_parent", "after_fork_in_child"]
+           "release", "inflight_fd", "kept_budget", "probe_held", "forget_idle", "own_fds",
+           "table_count", "before_fork", "after_fork_in_parent", "after_fork_in_child"]
 
 HAVE_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64 and aarch64

@@ -97,19 +97,20 @@ class _Use:
 
 class UseRef(weakref.ref):
     """A weak reference to a use whose death releases the use's lease: ``_release(*args)``.
-    Lighter than ``weakref.finalize`` on a path taken once per received message."""
+    Lighter than ``weakref.finalize`` on a path taken once per received message; whoever
+    keeps the ref must keep it until the use dies (or the release never happens)."""
 
-    __slots__ = ("key", "args")
+    __slots__ = ("args",)
 
 
-def use_ref(use, key, args: tuple, died) -> UseRef:
-    """``died(ref)`` runs when ``use`` dies (whoever keeps the ref must keep it until then)."""
-    r = UseRef(use, died)
-    r.key, r.args = key, args
+def use_ref(use, args: tuple) -> UseRef:
+    r = UseRef(use, _use_died)
+    r.args = args
     return r
 
 
-def _mapping_use_died(r: UseRef) -> None:
+def _use_died(r: UseRef) -> None:
+    # Takes no module lock: a GC pass may run this inside another module's locked section.
     try:
         _release(*r.args)
     except Exception:  # interpreter shutdown: dying releases anyway
@@ -122,7 +123,7 @@ def _use_of(m: _Mapping, lease_fd: int, deferred: list) -> _Use:
         ofd_lease.hold(m.table_id, m.slot, lease_fd, deferred)
         use = _Use()
         use.mapping = m
-        m.use = use_ref(use, None, (m.device, m.table_id, m.slot), _mapping_use_died)
+        m.use = use_ref(use, (m.device, m.table_id, m.slot))
     return use
 
 

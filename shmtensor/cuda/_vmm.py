@@ -262,7 +262,7 @@ def _rebuild_array(s, offset, shape, strides, dtype, table_id, slot, lock_i, eve
             if isinstance(s, _SlabMap):
                 s.users += 1
                 done = lambda: _map_released(s)  # noqa: E731
-            _uses[k] = _ipc.use_ref(use, k, (s.device, table_id, slot, done), _use_died)
+            _uses[k] = _ipc.use_ref(use, (s.device, table_id, slot, done))
             _sweep_uses()
     mem = cp.cuda.UnownedMemory(s.ptr, s.size, use, s.device)
     with cp.cuda.Device(s.device):
@@ -271,20 +271,12 @@ def _rebuild_array(s, offset, shape, strides, dtype, table_id, slot, lock_i, eve
         return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
 
 
-def _use_died(r) -> None:
-    # No _lock here: this may run from a GC pass inside another module's locked section.
-    # The dead ref stays in _uses; _rebuild_array replaces it or _sweep_uses drops it.
-    try:
-        _ipc._release(*r.args)
-    except Exception:  # interpreter shutdown: dying releases anyway
-        pass
-
-
 _sweep_at = [1024]
 
 
 def _sweep_uses() -> None:
-    """Drop the dead refs from ``_uses`` once it has doubled (caller holds ``_lock``)."""
+    """Drop the dead refs from ``_uses`` once it has doubled (caller holds ``_lock``): a
+    use's death takes no lock (see ``_ipc.UseRef``), so it leaves its ref behind."""
     if len(_uses) >= _sweep_at[0]:
         for k in [k for k, r in _uses.items() if r() is None]:
             del _uses[k]
