@@ -2,6 +2,7 @@
 
 import os
 import signal
+import sys
 import time
 
 import numpy as np
@@ -147,6 +148,8 @@ def crash(how):
         os._exit(3)
     elif how == "segfault":
         ctypes.string_at(0)
+    elif how == "sys.exit":
+        sys.exit()
     return how
 
 

@@ -8,9 +8,12 @@ is raised in the caller as itself, with the worker's traceback as ``__cause__``,
 The stdlib's pool waits forever when a worker dies mid-task.  Here a watcher thread wakes
 on every worker's exit (every worker the pool ever started, replacements included, until
 the pool is terminated or closed and drained); a non-zero exit code while calls are
-pending fails every pending call with :class:`WorkerLostError` (naming the pid and exit code or signal) and marks the
-pool broken, so later calls fail at once too.  A worker that dies while the pool is idle
-is simply replaced by the stdlib's own worker handler.
+pending fails every pending call with :class:`WorkerLostError` (naming the pid and exit
+code or signal) and marks the pool broken, so later calls fail at once too.  So does exit
+code 0 while the pool runs without ``maxtasksperchild``: a worker then only leaves that way
+when a task ends the process (``sys.exit()``, ``os._exit(0)``).  With ``maxtasksperchild``
+such an exit looks like a worker retiring, and the call waits as in the stdlib.  A worker
+that dies while the pool is idle is simply replaced by the stdlib's own worker handler.
 """
 
 from __future__ import annotations
@@ -97,7 +100,8 @@ def _watch_loop(pool_ref: "weakref.ref[Pool]", inqueue) -> None:
             if code is None or id(w) in handled:
                 continue
             handled.add(id(w))
-            if code != 0 and pool._cache and pool._state != _mpp.TERMINATE:
+            if pool._cache and pool._state != _mpp.TERMINATE and (
+                    code != 0 or _quit_early(pool)):
                 pool._break(w.pid, code)
                 return
         live = _workers.get(inqueue)
@@ -106,6 +110,12 @@ def _watch_loop(pool_ref: "weakref.ref[Pool]", inqueue) -> None:
             live[:] = [w for w in live if id(w) not in handled]
             handled = set()
         del pool
+
+
+def _quit_early(pool: "Pool") -> bool:
+    """A worker that exited 0 left mid-work: nothing retires a worker of a running pool
+    without ``maxtasksperchild`` (close and terminate change the state first)."""
+    return pool._state == _mpp.RUN and not pool._maxtasksperchild
 
 
 class Pool(_mpp.Pool):
@@ -137,8 +147,10 @@ class Pool(_mpp.Pool):
             time.sleep(0)
 
     def _break(self, pid: int, code: int) -> None:
+        why = _describe(code) + (" (a task ended the process: sys.exit() or os._exit(0)?)"
+                                 if code == 0 else "")
         err = WorkerLostError(
-            f"pool worker pid {pid} died with {_describe(code)} while {len(self._cache)} "
+            f"pool worker pid {pid} died with {why} while {len(self._cache)} "
             "call(s) were pending: their results are lost and the pool is broken; close it "
             "and create a new Pool")
         self._broken = err
