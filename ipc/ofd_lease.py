@@ -166,9 +166,10 @@ _budget: list[int] = []
 
 
 def kept_budget() -> int:
-    """How many in-flight descriptions this process keeps as holds: an eighth of its fd
-    limit when first asked, at most 256 (beyond that, holds are locks through the table's
-    one description)."""
+    """How many fds of one kind this process keeps for later (received segment memfds, to
+    forward; in-flight descriptions, as holds): an eighth of its fd limit when first asked,
+    at most 256.  Past it, segments are re-sent by copy and holds are locks through the
+    table's one description."""
     if not _budget:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft == resource.RLIM_INFINITY:

@@ -11,7 +11,6 @@ of other processes' segments are evicted by age and by total size.
 from __future__ import annotations
 
 import os
-import resource
 import threading
 import time
 import weakref
@@ -114,13 +113,6 @@ _own_idle_hook = lambda seg: None  # noqa: E731 - set by _recycler
 _attached_idle_hook = lambda: None  # noqa: E731 - set by _recycler
 
 
-def _fd_budget() -> int:
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        soft = 1 << 16
-    return max(0, min(256, soft // 8))
-
-
 def _anchor_died(seg: Segment) -> None:
     ofd_lease.release(seg.table_id, seg.slot)
     seg.idle_since = time.monotonic()
@@ -165,7 +157,7 @@ def receive(key: str, kind: str, size: int, table_id: str, slot: int, fd: int | 
             if kind == FS:
                 os.close(mapfd)
             raise
-        took = kind == FD and _kept_fds < _fd_budget()
+        took = kind == FD and _kept_fds < ofd_lease.kept_budget()
         if took:
             _kept_fds += 1  # kept: this process can forward the segment without a copy
         else:
