@@ -24,7 +24,7 @@ import sys
 import threading
 
 __all__ = ["nvml_device_count", "nvml_uuids", "visible_uuids", "address_range",
-           "cuda_initialized", "check_not_bad_fork", "CudaIpcError", "BAD_FORK_MESSAGE"]
+           "cuda_initialized", "bad_fork", "check_not_bad_fork", "CudaIpcError", "BAD_FORK_MESSAGE"]
 
 BAD_FORK_MESSAGE = ("Cannot re-initialize CUDA in forked subprocess; use the spawn or "
                     "forkserver start method")
@@ -157,6 +157,11 @@ def _after_fork_in_child() -> None:
     global _bad_fork, _lock
     _lock = threading.Lock()
     _bad_fork = _bad_fork or _parent_had_cuda
+
+
+def bad_fork() -> bool:
+    """True in a forked child of a process that had initialised CUDA."""
+    return _bad_fork
 
 
 def check_not_bad_fork() -> None:

@@ -38,8 +38,9 @@ def _send(line: str) -> None:
         pass
 
 
-def track(name: str, slot: int, lease_fd: int) -> None:
-    """Tell the janitor (started on first use) about a new named segment."""
+def track(name: str, slot: int, lease_fds: list[int]) -> None:
+    """Tell the janitor (started on first use) about a new named segment; ``lease_fds``:
+    the creator's lease table files, slot ``s`` in file ``s % len(lease_fds)``."""
     global _sock, _proc
     with _lock:
         if _sock is None:
@@ -48,9 +49,9 @@ def track(name: str, slot: int, lease_fd: int) -> None:
             env = dict(os.environ)
             env["PYTHONPATH"] = pkg_root + os.pathsep + env.get("PYTHONPATH", "")
             _proc = subprocess.Popen(
-                [sys.executable, "-m", "ipc.janitor", str(child.fileno()), str(lease_fd),
-                 str(os.getpid())],
-                pass_fds=(child.fileno(), lease_fd), start_new_session=True, env=env,
+                [sys.executable, "-m", "ipc.janitor", str(child.fileno()),
+                 ",".join(map(str, lease_fds)), str(os.getpid())],
+                pass_fds=(child.fileno(), *lease_fds), start_new_session=True, env=env,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
             child.close()
             _sock = parent
@@ -94,8 +95,7 @@ def running_janitors() -> dict[int, int]:
     return out
 
 
-def _main(sock_fd: int, lease_fd: int) -> None:
-    probe = os.open(f"/proc/self/fd/{lease_fd}", os.O_RDWR)
+def _main(sock_fd: int, lease_fds: list[int]) -> None:
     names: dict[str, int] = {}
     sock = socket.socket(fileno=sock_fd)
     buf = b""
@@ -115,7 +115,10 @@ def _main(sock_fd: int, lease_fd: int) -> None:
     delay = 0.05
     while names:
         for name, slot in list(names.items()):
-            if not os.path.exists(os.path.join(posix_shm.SHM_DIR, name)) or not probe_held(probe, slot):
+            # the creator's own descriptions of its table files take no locks: they see
+            # every holder's
+            held = probe_held(lease_fds[slot % len(lease_fds)], slot)
+            if not held or not os.path.exists(os.path.join(posix_shm.SHM_DIR, name)):
                 posix_shm.unlink_named(name)
                 del names[name]
         if names:
@@ -124,4 +127,4 @@ def _main(sock_fd: int, lease_fd: int) -> None:
 
 
 if __name__ == "__main__":
-    _main(int(sys.argv[1]), int(sys.argv[2]))
+    _main(int(sys.argv[1]), [int(fd) for fd in sys.argv[2].split(",")])

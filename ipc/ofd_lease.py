@@ -11,9 +11,10 @@ Facts this module is built on (Linux >= 3.15):
   different descriptions coexist; ``F_OFD_GETLK`` for a write lock reports any of them.
 * Locks may cover bytes past the end of a file: the lock file below stays empty.
 
-Each process that creates segments has one *lease table*: an empty memfd whose byte ``i``
-stands for its segment ``i``.  A process holds segment ``i`` by read-locking byte ``i``
-through its one *holding* description of that table (one fd per peer, never one per array).
+Each process that creates segments has one *lease table*: ``SHARDS`` empty memfds, byte
+``i`` of file ``i % SHARDS`` standing for its segment ``i``.  A process holds segment ``i``
+by read-locking byte ``i`` through its *holding* description of that file (at most one fd
+per peer and file, never one per array).
 A message that carries segments carries an *in-flight* description with the same bytes
 locked, so nothing is reusable between the sender letting go and the receiver taking hold.
 The creator may reuse segment ``i`` once nobody holds byte ``i``: every array view in every
@@ -21,10 +22,14 @@ process is gone, no message carrying it is in flight, or the holders are dead.
 
 A receiver may also keep a message's in-flight description as its hold, when that
 description covers exactly the one slot it needs (:func:`establish`): then no lock is taken
-or dropped on receipt, and letting go is one ``close``.  Linux keeps one list of record
-locks per file and every lock change walks it, so with many messages in flight (each one a
-lock on its sender's table) each lock operation saved is worth several microseconds.
-The number of descriptions kept this way is bounded (:func:`kept_budget`).
+or dropped on receipt, and letting go is one ``close``.  The number of descriptions kept
+this way is bounded (:func:`kept_budget`).
+
+Linux keeps one list of record locks per file, and every lock change and every close of a
+description of that file walks it; each message in flight is one lock on its sender's
+table.  With a few hundred messages queued, one file made each lock operation cost 5-20 us
+(and the three processes of a relay contended for the list's spinlock): hence the shards,
+and the kept descriptions, each of which saves a walk.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import threading
 
 from .posix_shm import PREFIX, process_tag
 
-__all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "adopt_table", "hold", "establish",
+__all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "establish",
            "release", "inflight_fd", "kept_budget", "probe_held", "forget_idle", "own_fds",
            "table_count", "before_fork", "after_fork_in_parent", "after_fork_in_child"]
 
@@ -59,13 +64,26 @@ def probe_held(fd: int, slot: int) -> bool:
     return _FLOCK.unpack(res)[0] != fcntl.F_UNLCK
 
 
+SHARDS = 8  # lock files per table: slot ``s`` is byte ``s`` of file ``s % SHARDS``
+
+
 class LeaseTable:
-    """This process's lease table: allocates slots and tells whether anyone holds one."""
+    """This process's lease table: allocates slots and tells whether anyone holds one.
+
+    It is ``SHARDS`` empty memfds, slot ``s`` in file ``s % SHARDS``: the kernel keeps one
+    list of locks per file and walks it on every lock change and every close, so spreading
+    the messages in flight over several files keeps each walk short.  The memfds' own
+    descriptions never take a lock, so they are also the probes for :meth:`is_held`."""
 
     def __init__(self) -> None:
         self.id = process_tag()
-        self.fd = os.memfd_create(f"{PREFIX}_{self.id}_lease", os.MFD_CLOEXEC)
-        self._probe = _reopen(self.fd)
+        self.fds: list[int] = []
+        try:
+            for _ in range(SHARDS):
+                self.fds.append(os.memfd_create(f"{PREFIX}_{self.id}_lease", os.MFD_CLOEXEC))
+        except BaseException:
+            self.close()
+            raise
         self._next = 0
         self._lock = threading.Lock()
 
@@ -76,32 +94,50 @@ class LeaseTable:
 
     def is_held(self, slot: int) -> bool:
         """True while any process, this one included, holds ``slot`` or a message carries it."""
-        return probe_held(self._probe, slot)
+        return probe_held(self.fds[slot % SHARDS], slot)
 
     def close(self) -> None:
-        for fd in (self._probe, self.fd):
+        for fd in self.fds:
             try:
                 os.close(fd)
             except OSError:
                 pass
+        self.fds = []
 
 
 class _Holding:
-    """This process's one description of a table, and how many holds it has on each slot."""
+    """This process's descriptions of a table (one per file, made on first need), and how
+    many holds it has on each slot."""
 
-    __slots__ = ("table_id", "fd", "counts", "by", "lock", "fork_fd")
+    __slots__ = ("table_id", "fds", "counts", "by", "lock", "fork_fds", "gone")
 
-    def __init__(self, table_id: str, fd: int) -> None:
+    def __init__(self, table_id: str) -> None:
         self.table_id = table_id
-        self.fd = fd  # -1 once forgotten (forget_idle): hold() then adopts anew
+        self.fds = [-1] * SHARDS
+        self.gone = False  # forgotten (forget_idle): hold() then adopts anew
         self.counts: dict[int, int] = {}
-        # What holds each counted slot: -1 a lock through ``fd``, else a kept in-flight
+        # What holds each counted slot: -1 a lock through ``fds``, else a kept in-flight
         # description (closed on release).  A counted slot missing here is still covered
         # by the in-flight description of a message being loaded (see hold's ``deferred``).
         self.by: dict[int, int] = {}
         # Re-entrant: a finalizer releasing a hold may run inside hold() (a GC pass).
         self.lock = threading.RLock()
-        self.fork_fd = -1
+        self.fork_fds: list[int] = []
+
+    def fd_for(self, slot: int, source: int | None) -> int:
+        """This process's description of ``slot``'s file, reopened from ``source`` (a
+        description of that file) the first time (caller holds ``lock``)."""
+        k = slot % SHARDS
+        fd = self.fds[k]
+        if fd < 0:
+            if source is None:
+                own = _own
+                if own is None or own.id != self.table_id:
+                    raise KeyError(f"no description of lease table {self.table_id} in this "
+                                   "process")
+                source = own.fds[k]
+            fd = self.fds[k] = _reopen(source)
+        return fd
 
 
 _own: LeaseTable | None = None
@@ -116,25 +152,24 @@ def own_table() -> LeaseTable:
         with _registry_lock:
             if _own is None:
                 _own = LeaseTable()
-                _holdings[_own.id] = _Holding(_own.id, _reopen(_own.fd))
+                _holdings[_own.id] = _Holding(_own.id)
     return _own
 
 
-def adopt_table(table_id: str, fd: int) -> _Holding:
-    """Make sure this process has its own holding description of ``table_id`` (from ``fd``)."""
+def _holding(table_id: str) -> _Holding:
     h = _holdings.get(table_id)
     if h is None:
         with _registry_lock:
             h = _holdings.get(table_id)
             if h is None:
-                h = _holdings[table_id] = _Holding(table_id, _reopen(fd))
+                h = _holdings[table_id] = _Holding(table_id)
     return h
 
 
 def hold(table_id: str, slot: int, fd_source: int | None = None,
          deferred: list | None = None) -> None:
-    """Hold ``slot`` of ``table_id`` through this process's description of it (made from
-    ``fd_source`` if this process has none, e.g. after :func:`forget_idle`).
+    """Hold ``slot`` of ``table_id`` through this process's description of its file (made
+    from ``fd_source``, a description of that file, if this process has none yet).
 
     ``deferred``: the caller is loading a message whose in-flight description
     ``fd_source`` covers the slot until the load ends; a new hold is then only counted, and
@@ -143,16 +178,17 @@ def hold(table_id: str, slot: int, fd_source: int | None = None,
     while True:
         h = _holdings.get(table_id)
         if h is None:
-            if fd_source is None:
+            if fd_source is None and (_own is None or _own.id != table_id):
                 raise KeyError(f"no description of lease table {table_id} in this process")
-            h = adopt_table(table_id, fd_source)
+            h = _holding(table_id)
         with h.lock:
-            if h.fd < 0:  # forgotten meanwhile: adopt again
+            if h.gone:  # forgotten meanwhile: adopt again
                 continue
+            fd = h.fd_for(slot, fd_source)
             n = h.counts.get(slot, 0)
             if n == 0:
                 if deferred is None or fd_source is None:
-                    _setlk(h.fd, fcntl.F_RDLCK, slot)
+                    _setlk(fd, fcntl.F_RDLCK, slot)
                     h.by[slot] = -1
                 else:
                     deferred.append(entry)
@@ -200,7 +236,7 @@ def establish(table_id: str, slot: int, inflight: int, sole: bool) -> bool:
         if keep:
             h.by[slot] = inflight
         else:
-            _setlk(h.fd, fcntl.F_RDLCK, slot)
+            _setlk(h.fd_for(slot, inflight), fcntl.F_RDLCK, slot)
             h.by[slot] = -1
         if h.counts.get(slot, 0) == 0:  # released by a finalizer that ran meanwhile: undo
             h.by.pop(slot, None)
@@ -208,7 +244,7 @@ def establish(table_id: str, slot: int, inflight: int, sole: bool) -> bool:
                 with _kept_lock:
                     _kept -= 1
             else:
-                _setlk(h.fd, fcntl.F_UNLCK, slot)
+                _setlk(h.fds[slot % SHARDS], fcntl.F_UNLCK, slot)
             return False
         return keep
 
@@ -232,7 +268,7 @@ def _let_go(h: _Holding, slot: int) -> None:
     by = h.by.pop(slot, None)
     try:
         if by == -1:
-            _setlk(h.fd, fcntl.F_UNLCK, slot)
+            _setlk(h.fds[slot % SHARDS], fcntl.F_UNLCK, slot)
         elif by is not None:
             with _kept_lock:
                 _kept -= 1
@@ -242,9 +278,16 @@ def _let_go(h: _Holding, slot: int) -> None:
 
 
 def inflight_fd(table_id: str, slots) -> int:
-    """A new description of ``table_id`` with ``slots`` read-locked, to travel with a message."""
-    h = _holdings[table_id]
-    fd = _reopen(h.fd)
+    """A new description of ``table_id``'s file of ``slots`` (all in one file: see
+    :data:`SHARDS`) with them read-locked, to travel with a message."""
+    k = slots[0] % SHARDS
+    own = _own
+    source = own.fds[k] if own is not None and own.id == table_id else _holdings[table_id].fds[k]
+    return _locked_copy(source, slots)
+
+
+def _locked_copy(source: int, slots) -> int:
+    fd = _reopen(source)
     try:
         for slot in slots:
             _setlk(fd, fcntl.F_RDLCK, slot)
@@ -252,6 +295,15 @@ def inflight_fd(table_id: str, slots) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _close_all(fds) -> None:
+    for fd in fds:
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def forget_idle() -> int:
@@ -265,11 +317,9 @@ def forget_idle() -> int:
                 if h.counts:
                     continue
                 del _holdings[tid]
-                fd, h.fd = h.fd, -1
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+                h.gone = True
+                fds, h.fds = h.fds, [-1] * SHARDS
+                _close_all(fds)
                 closed += 1
     return closed
 
@@ -279,7 +329,7 @@ def own_fds() -> set[int]:
     if _own is None:
         return set()
     h = _holdings.get(_own.id)
-    return {_own.fd, _own._probe} | ({h.fd} if h is not None else set())
+    return set(_own.fds) | ({fd for fd in h.fds if fd >= 0} if h is not None else set())
 
 
 def table_count() -> int:
@@ -292,17 +342,19 @@ def before_fork() -> None:
     _registry_lock.acquire()
     for h in _holdings.values():
         h.lock.acquire()
-        try:
-            h.fork_fd = inflight_fd(h.table_id, list(h.counts)) if h.fd >= 0 else -1
-        except OSError:
-            h.fork_fd = -1
+        h.fork_fds = [-1] * SHARDS
+        for k, fd in enumerate(h.fds):
+            if fd >= 0:
+                try:
+                    h.fork_fds[k] = _locked_copy(fd, [s for s in h.counts if s % SHARDS == k])
+                except OSError:
+                    pass
 
 
 def after_fork_in_parent() -> None:
     for h in _holdings.values():
-        if h.fork_fd >= 0:
-            os.close(h.fork_fd)
-            h.fork_fd = -1
+        fds, h.fork_fds = h.fork_fds, []
+        _close_all(fds)
         h.lock.release()
     _registry_lock.release()
 
@@ -317,18 +369,16 @@ def after_fork_in_child() -> None:
         _own = None  # the parent's table: the child allocates slots in a table of its own
     _kept = 0
     for tid, h in list(_holdings.items()):
-        old, h.fd, h.fork_fd = h.fd, h.fork_fd, -1
+        old, h.fds, h.fork_fds = h.fds, h.fork_fds or [-1] * SHARDS, []
         h.lock = threading.RLock()
-        if old >= 0:
-            os.close(old)
-        for by in h.by.values():  # the parent's kept descriptions: the parent lets go of them
-            if by >= 0:
-                os.close(by)
-        h.by = dict.fromkeys(h.counts, -1)  # all held through the description made before fork
-        if h.fd < 0:
-            if h.counts:
-                import warnings
-                warnings.warn(f"shmtensor: could not keep this child's holds on lease table "
-                              f"{tid} across fork; its inherited shared arrays may be reused "
-                              "by their creator", RuntimeWarning)
+        _close_all(old)
+        # the parent's kept descriptions: the parent lets go of them
+        _close_all(by for by in h.by.values() if by >= 0)
+        h.by = dict.fromkeys(h.counts, -1)  # all held through the descriptions made before fork
+        if any(h.fds[s % SHARDS] < 0 for s in h.counts):
+            import warnings
+            warnings.warn(f"shmtensor: could not keep this child's holds on lease table "
+                          f"{tid} across fork; its inherited shared arrays may be reused "
+                          "by their creator", RuntimeWarning)
+        if all(fd < 0 for fd in h.fds):
             del _holdings[tid]

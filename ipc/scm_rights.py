@@ -38,6 +38,7 @@ _QI = struct.Struct("!QI")
 _ANC_SIZE = socket.CMSG_SPACE(MAX_FDS * 4) if HAVE_SCM_RIGHTS else 0
 _INLINE = 1 << 16
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)
+_DONTWAIT = int(socket.MSG_DONTWAIT)
 # Received fds are close-on-exec, as Python makes its own: a kept one (a lease) must not
 # live on in a program this process starts.
 _RECV_FLAGS = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
@@ -77,7 +78,7 @@ def try_send_frame(sock: socket.socket, data, fds=()) -> bool:
         return False
     header = _header(len(data), fds)
     try:
-        sent = sock.sendmsg([header, data], _anc(fds), socket.MSG_DONTWAIT)
+        sent = sock.sendmsg([header, data], _anc(fds), _DONTWAIT)
     except BlockingIOError:
         return False
     _finish(sock, header, data, sent)  # not expected: a frame this small goes whole
@@ -130,11 +131,20 @@ def _recv_exact_msg(sock, size: int, fds: list, dropped: list) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def recv_frame(sock: socket.socket) -> tuple[bytearray, list[int]]:
+def recv_frame(sock: socket.socket) -> tuple[bytes, list[int]]:
     """Receive one frame: ``(payload, fds)``; the caller owns (and must close) the fds."""
     fds: list[int] = []
     dropped: list = []
-    (code,) = _SMALL.unpack(_recv_exact_msg(sock, 4, fds, dropped))
+    head, ancdata, flags, _ = sock.recvmsg(4, _ANC_SIZE, _RECV_FLAGS)
+    if ancdata and not _collect(ancdata, flags, fds):
+        dropped.append(True)
+    if len(head) < 4:  # a header split across reads, or the peer is gone
+        if not head:
+            for fd in fds:
+                _close_quietly(fd)
+            raise EOFError
+        head += _recv_exact_msg(sock, 4 - len(head), fds, dropped)
+    (code,) = _SMALL.unpack(head)
     nfds = 0
     if code >= 0:
         n = code
@@ -150,15 +160,8 @@ def recv_frame(sock: socket.socket) -> tuple[bytearray, list[int]]:
         raise OSError(f"bad frame header {code}: the peer does not speak this protocol")
     for _ in range(-(-(nfds - MAX_FDS) // MAX_FDS) if nfds > MAX_FDS else 0):
         _recv_exact_msg(sock, 1, fds, dropped)
-    buf = bytearray(n)
-    view = memoryview(buf)
-    pos = 0
     try:
-        while pos < n:
-            got = sock.recv_into(view[pos:])
-            if not got:
-                raise EOFError
-            pos += got
+        buf = _recv_payload(sock, n)
     except BaseException:
         for fd in fds:
             _close_quietly(fd)
@@ -170,6 +173,30 @@ def recv_frame(sock: socket.socket) -> tuple[bytearray, list[int]]:
                       "its open-file limit; raise it (ulimit -n) or hold fewer arrays from "
                       "different producers; the message was discarded")
     return buf, fds
+
+
+def _recv_payload(sock: socket.socket, n: int):
+    """``n`` bytes: one ``recv`` when they are there (a small frame is), else read into a
+    buffer of that size."""
+    if n <= _INLINE:
+        data = sock.recv(n) if n else b""
+        if len(data) == n:
+            return data
+        if not data:
+            raise EOFError
+        buf = bytearray(n)
+        buf[:len(data)] = data
+        pos = len(data)
+    else:
+        buf = bytearray(n)
+        pos = 0
+    view = memoryview(buf)
+    while pos < n:
+        got = sock.recv_into(view[pos:])
+        if not got:
+            raise EOFError
+        pos += got
+    return buf
 
 
 def _close_quietly(fd: int) -> None:

@@ -85,7 +85,7 @@ def _create(size: int, kind: str, table: ofd_lease.LeaseTable) -> _segments.Segm
     else:
         # The janitor hears of the name before the file exists: a SIGKILL in between
         # leaves nothing it does not know about.
-        janitor.track(name, slot, table.fd)
+        janitor.track(name, slot, table.fds)
         try:
             fd = posix_shm.create_named(name, size)
         except BaseException:

@@ -13,7 +13,7 @@ same array uses numpy's own reduction and gives an ordinary, self-contained pick
 * Object arrays fall back to numpy's own reduction.
 
 Segments themselves reduce to :func:`_rebuild_segment`; each message carries, per lease
-table, one in-flight lock description and, for memfds, the segment fds (see
+table file, one in-flight lock description and, for memfds, the segment fds (see
 :mod:`ipc.ofd_lease`).  The rebuild functions' import paths are part of the wire format.
 """
 
@@ -53,12 +53,13 @@ class SendContext:
         self.fds: list[int] = []
         self.owned: list[int] = []   # in-flight lock descriptions: closed once sent
         self.keep: list = []          # anchors that must outlive the send
-        self.inflight: dict[str, tuple[int, list[int]]] = {}
+        self.inflight: dict[tuple, tuple[int, list[int]]] = {}  # (table, file) -> fd index, slots
         self.memo: dict = {}          # what reducers did once for the whole message
 
     def wire_fds(self) -> list[int]:
-        """The fds to send: segment fds plus one fresh in-flight description per table."""
-        for table_id, (i, slots) in self.inflight.items():
+        """The fds to send: segment fds plus one fresh in-flight description per lease
+        table file (see ``ofd_lease.SHARDS``)."""
+        for (table_id, _), (i, slots) in self.inflight.items():
             if self.fds[i] < 0:
                 fd = ofd_lease.inflight_fd(table_id, slots)
                 self.owned.append(fd)
@@ -134,10 +135,11 @@ def _send_context() -> SendContext:
 def inflight_index(table_id: str, slot: int) -> int:
     """Index (among the message's fds) of the in-flight lock that will cover ``slot``."""
     ctx = _send_context()
-    entry = ctx.inflight.get(table_id)
+    key = (table_id, slot % ofd_lease.SHARDS)
+    entry = ctx.inflight.get(key)
     if entry is None:
         ctx.fds.append(-1)  # placeholder: SendContext.wire_fds makes the description
-        entry = ctx.inflight[table_id] = (len(ctx.fds) - 1, [])
+        entry = ctx.inflight[key] = (len(ctx.fds) - 1, [])
     entry[1].append(slot)
     return entry[0]
 
@@ -184,7 +186,7 @@ def received_lease(table_id: str, slot: int, lock_i: int) -> tuple[int, list]:
     if claims is None:
         claims = ctx.claims[lock_i] = set()
     claims.add((table_id, slot))
-    return received_fd(lock_i), ctx.deferred
+    return ctx.fds[lock_i], ctx.deferred
 
 
 def received_fd(i: int) -> int:

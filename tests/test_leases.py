@@ -53,10 +53,26 @@ def test_a_sole_slot_is_held_by_the_kept_inflight_description():
     assert not table.is_held(seg.slot)
 
 
+def _two_in_one_file():
+    """Two shared arrays (zeros, ones) whose slots are in the same lease table file."""
+    made, seen = [], {}
+    while True:
+        a = shmtensor.zeros(10_000)
+        slot = _segments.segment_of(a).slot
+        other = seen.get(slot % ofd_lease.SHARDS)
+        if other is not None:
+            other[:] = 0
+            a[:] = 1
+            return other, a
+        seen[slot % ofd_lease.SHARDS] = a
+        made.append(a)
+
+
 def test_a_description_covering_two_slots_is_not_kept():
-    a1, a2 = shmtensor.zeros(10_000), shmtensor.ones(10_000)
+    a1, a2 = _two_in_one_file()
     s1, s2 = _segments.segment_of(a1), _segments.segment_of(a2)
     assert s1.table_id == s2.table_id and s1.slot != s2.slot
+    assert s1.slot % ofd_lease.SHARDS == s2.slot % ofd_lease.SHARDS
     table = ofd_lease.own_table()
     box = [[a1, a2]]
     del a1, a2
@@ -148,7 +164,7 @@ class _Unrebuildable:
 
 
 def test_a_failed_load_keeps_no_description_for_slots_it_never_reached():
-    a1, a2 = shmtensor.zeros(10_000), shmtensor.ones(10_000)
+    a1, a2 = _two_in_one_file()
     s1, s2 = _segments.segment_of(a1), _segments.segment_of(a2)
     table = ofd_lease.own_table()
     box = [[a1, _Unrebuildable(a1), a2]]
@@ -168,7 +184,7 @@ def test_a_failed_load_keeps_no_description_for_slots_it_never_reached():
 
 
 def test_a_lock_failure_at_the_end_of_a_load_leaks_no_fd(monkeypatch):
-    a1, a2 = shmtensor.zeros(10_000), shmtensor.ones(10_000)
+    a1, a2 = _two_in_one_file()
     r, w = smp.Pipe(duplex=False)
     try:
         w.send([a1, a2])  # one description covering two slots: locked at the end of the load

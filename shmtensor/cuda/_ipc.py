@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import weakref
 from collections import OrderedDict, deque
 
@@ -30,6 +31,7 @@ _IPC_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
 # process is still waiting on costs ~0.1 ms per send, so a ring keeps them apart.
 RING = 64
 
+_monotonic = time.monotonic
 _lock = threading.RLock()
 _exports: dict[tuple[int, int], "_Export"] = {}
 _mapped: "OrderedDict[bytes, _Mapping]" = OrderedDict()  # handle -> open mapping, LRU
@@ -42,14 +44,25 @@ _ring_next: dict[int, int] = {}
 _own_events: dict[bytes, object] = {}       # handle -> this process's own ring event
 
 
+_cp = None
+
+
 def cupy():
     """CuPy, imported on first use (never at shmtensor's import)."""
+    if _cp is not None and not cuda_ipc.bad_fork():
+        return _cp
+    return _import_cupy()
+
+
+def _import_cupy():
+    global _cp
     cuda_ipc.check_not_bad_fork()
     try:
         import cupy as cp
     except ImportError as e:
         raise ImportError("shmtensor's CUDA support needs CuPy: pip install 'shmtensor[cuda12]' "
                           "(CUDA 12) or 'shmtensor[cuda13]' (CUDA 13)") from e
+    _cp = cp
     return cp
 
 
@@ -261,15 +274,18 @@ def _rebuild_empty(shape, dtype, bus_id):
 # Releases wait for this process's work on the memory.  A release on a default stream
 # only notes (device, stream, lease); a *flush* records one event per (device, stream) for
 # everything noted since, and a *drain* releases, oldest first, what those events cover.
-# Both run in the releasing thread past BATCH notes and in a helper thread DRAIN_S after
-# the first note, so no event, thread hand-off or driver call is paid per array.  A release
-# on a user stream records its event at once (the stream may be gone by the next flush).
+# The releasing thread drains (without waiting) once BATCH notes or DRAIN_S have gathered,
+# so no event, thread hand-off or driver call is paid per array; a helper thread drains
+# only what nobody has drained for DRAIN_S (the process stopped releasing), so it does not
+# compete for the GIL with a busy one.  A release on a user stream records its event at
+# once (the stream may be gone by the next flush).
 _noted: "deque[tuple]" = deque()    # (device, stream, table_id, slot, done)
 _pending: "deque[tuple]" = deque()  # (event, device, [(table_id, slot, done)]), oldest first
 _drain_lock = threading.Lock()
 _wake = threading.Event()
 _idle_events: dict[int, list] = {}  # device -> events whose work is done, to record again
 _releaser_started = False
+_last_drain = [0.0]                 # time.monotonic() of the last drain
 DRAIN_S = 0.002
 BATCH = 64
 # Streams that are the same stream in every thread (the legacy default stream): a flush in
@@ -284,16 +300,15 @@ def _release(device: int, table_id: str, slot: int, done=None) -> None:
     global _releaser_started
     lease = (table_id, slot, done)
     try:
-        import cupy as cp
-        stream = _current_stream(cp, device)
+        stream = _current_stream(_cp, device)
         if stream in _SHARED_STREAMS:
             _noted.append((device, stream, lease))
         else:
-            _pending.append((_record(cp, device, stream), device, [lease]))
+            _pending.append((_record(_cp, device, stream), device, [lease]))
     except Exception:  # interpreter or driver shutting down: wait, if it still can, and go
         _release_now(device, [lease])
         return
-    if len(_noted) >= BATCH:
+    if len(_noted) >= BATCH or _monotonic() - _last_drain[0] >= DRAIN_S:
         _drain(block=False)
     if not _wake.is_set():
         if not _releaser_started:
@@ -363,6 +378,7 @@ def _drain(block: bool) -> None:
     if not _drain_lock.acquire(blocking=block):
         return  # another thread is draining
     try:
+        _last_drain[0] = _monotonic()
         import cupy as cp
         _flush(cp)
         while _pending:
@@ -382,12 +398,14 @@ def _drain(block: bool) -> None:
 
 
 def _releaser() -> None:
-    import time
+    """Drain what no releasing thread has drained for DRAIN_S."""
     while True:
         _wake.wait()
-        time.sleep(DRAIN_S)
         _wake.clear()
-        _drain(block=True)
+        while _noted or _pending:
+            time.sleep(DRAIN_S)
+            if _monotonic() - _last_drain[0] >= DRAIN_S:
+                _drain(block=True)
 
 
 def wait_event(cp, event_handle: bytes) -> None:

@@ -19,6 +19,7 @@ mappings are unmapped past ``MAPPED_IDLE_LIMIT`` (or ``MAPPED_IDLE_BYTES``) and 
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections import OrderedDict, deque
@@ -49,11 +50,6 @@ class _Mapped:
     """A slab mapped in this process at ``ptr``; ``fd`` is what a message carries for it."""
 
     __slots__ = ("key", "device", "bus_id", "ptr", "size", "fd")
-
-    def __reduce__(self):
-        # fd stays open until the message is sent: the array kept alive with it keeps a
-        # block of this slab live (own slab) or a use of it (mapping) meanwhile.
-        return _rebuild_slab, (self.key, self.bus_id, self.size, _reductions.attach_fd(self.fd))
 
 
 class _Slab(_Mapped):
@@ -195,8 +191,8 @@ def malloc(nbytes: int):
 
 
 def reduce_array(cp, arr, mem, owner):
-    """An array on shared memory: the slab (its fd travels once per message), the array's
-    place in it, and the block's lease (this process's, or the producer's when forwarding)."""
+    """An array on shared memory: its slab (whose fd travels once per message), its place in
+    it, and its block's lease (this process's, or the producer's when forwarding)."""
     if isinstance(owner, _Block):
         slab, table_id = owner.slab, ofd_lease.own_table().id
         slot = slab.slots[owner.index]
@@ -207,51 +203,55 @@ def reduce_array(cp, arr, mem, owner):
                     slot = slab.slots[owner.index] = ofd_lease.own_table().new_slot()
     else:
         slab, table_id, slot = owner.slab, owner.table_id, owner.slot
+    # the array kept alive with the message keeps the slab's fd open until it is sent: a
+    # live block of an own slab, or a use of a mapping
     _reductions.keep_alive(mem)
-    with cp.cuda.Device(slab.device):
-        ev = _ipc._order(cp, slab.device)
+    memo = _reductions.message_memo()
+    fd_i = memo.get(slab.key)
+    if fd_i is None:
+        fd_i = memo[slab.key] = _reductions.attach_fd(slab.fd)
+    device = slab.device
+    if cp.cuda.runtime.getDevice() == device:
+        ev = _ipc._order(cp, device)
+    else:
+        with cp.cuda.Device(device):
+            ev = _ipc._order(cp, device)
     lock_i = _reductions.inflight_index(table_id, slot)
-    return _rebuild_array, (slab, arr.data.ptr - slab.ptr, arr.shape, arr.strides,
-                            arr.dtype.str, table_id, slot, lock_i, ev)
+    return _rebuild_array, (slab.key, slab.bus_id, slab.size, fd_i, arr.data.ptr - slab.ptr,
+                            arr.shape, arr.strides, arr.dtype.str, table_id, slot, lock_i, ev)
 
 
-def _rebuild_slab(key: str, bus_id: str, size: int, fd_i: int):
+def _mapping(key: str, bus_id: str, size: int, fd_i: int) -> _Mapped:
+    """The slab ``key`` in this process: its own, or mapped from the message's fd ``fd_i``
+    (caller holds ``_lock``)."""
     s = _slabs.get(key)
     if s is not None:  # back where it was made: this process's own mapping
         return s
-    with _lock:
-        m = _maps.get(key)
-        if m is not None:
-            _maps.move_to_end(key)
-            return _pinned(m)
-        cp = _ipc.cupy()
-        device = _ipc._local_device(cp, bus_id)
-        fd = _reductions.received_fd(fd_i)
-        handle = cuda_vmm.import_fd(device, fd)
-        try:
-            ptr = cuda_vmm.map_handle(device, handle, size)
-        finally:
-            cuda_vmm.release(device, handle)
-        m = _SlabMap()
-        m.key, m.device, m.bus_id, m.ptr, m.size = key, device, bus_id, ptr, size
-        m.fd = _reductions.take_received_fd(fd_i)
-        m.users = 0
-        _maps[key] = m
-        return _pinned(m)
-
-
-def _pinned(m: "_SlabMap") -> "_SlabMap":
-    """Keep ``m`` mapped until the message being loaded has built its arrays on it."""
-    m.users += 1
-    _reductions.after_loading(lambda: _map_released(m))
+    m = _maps.get(key)
+    if m is not None:
+        _maps.move_to_end(key)
+        return m
+    device = _ipc._local_device(_ipc.cupy(), bus_id)
+    handle = cuda_vmm.import_fd(device, _reductions.received_fd(fd_i))
+    try:
+        ptr = cuda_vmm.map_handle(device, handle, size)
+    finally:
+        cuda_vmm.release(device, handle)
+    m = _SlabMap()
+    m.key, m.device, m.bus_id, m.ptr, m.size = key, device, bus_id, ptr, size
+    m.fd = _reductions.take_received_fd(fd_i)
+    m.users = 0
+    _maps[key] = m
     return m
 
 
-def _rebuild_array(s, offset, shape, strides, dtype, table_id, slot, lock_i, event_handle):
+def _rebuild_array(key, bus_id, size, fd_i, offset, shape, strides, dtype, table_id, slot,
+                   lock_i, event_handle):
     cp = _ipc.cupy()
     lease_fd, deferred = _reductions.received_lease(table_id, slot, lock_i)
     k = (table_id, slot)
-    with _lock:
+    with _lock:  # the mapping is not unmapped before the use below counts as its user
+        s = _mapping(key, bus_id, size, fd_i)
         ref = _uses.get(k)
         use = ref() if ref is not None else None
         if use is None:
@@ -261,10 +261,14 @@ def _rebuild_array(s, offset, shape, strides, dtype, table_id, slot, lock_i, eve
             done = None
             if isinstance(s, _SlabMap):
                 s.users += 1
-                done = lambda: _map_released(s)  # noqa: E731
+                done = functools.partial(_map_released, s)
             _uses[k] = _ipc.use_ref(use, (s.device, table_id, slot, done))
             _sweep_uses()
     mem = cp.cuda.UnownedMemory(s.ptr, s.size, use, s.device)
+    if cp.cuda.runtime.getDevice() == s.device:
+        if event_handle is not None:
+            _ipc.wait_event(cp, event_handle)
+        return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
     with cp.cuda.Device(s.device):
         if event_handle is not None:
             _ipc.wait_event(cp, event_handle)
