@@ -242,22 +242,29 @@ def _cupy_reducers() -> dict:
     return {cp.ndarray: _ipc.reduce_cupy_array, cp.cuda.Event: _ipc.reduce_cupy_event}
 
 
+def _lanes() -> dict:
+    vmm, cp = sys.modules.get("shmtensor.cuda._vmm"), sys.modules.get("cupy")
+    return {} if vmm is None or cp is None else {cp.ndarray: vmm.lane_dumps}
+
+
 class _Pickler(pickle.Pickler):
     """The fast pickler: shmtensor's reducers ahead of multiprocessing's and copyreg's, in
     one plain dict (rebuilt when another library registers reducers or CuPy appears)."""
 
     dispatch_table: dict = {}
+    lanes: dict = {}  # type -> f(obj): (payload, SendContext) without a pickler, or None
     _signature: tuple = ()
 
     @classmethod
     def refresh(cls) -> None:
         sig = (len(copyreg.dispatch_table), len(ForkingPickler._extra_reducers),
-               "cupy" in sys.modules)
+               "cupy" in sys.modules, "shmtensor.cuda._vmm" in sys.modules)
         if sig != cls._signature:
             table = dict(copyreg.dispatch_table)
             table.update(ForkingPickler._extra_reducers)
             table.update(_OURS)
             table.update(_cupy_reducers())
+            cls.lanes = _lanes()
             cls.dispatch_table, cls._signature = table, sig
             # the C pickler reads the table when a pickler is made: a class attribute
             _CloudPickler.dispatch_table = ChainMap(table, cloudpickle.Pickler.dispatch_table)
@@ -296,6 +303,11 @@ def dumps(obj, by_value: bool = False) -> tuple[memoryview, SendContext]:
     _Pickler.refresh()
     if by_value:
         return _dump(_CloudPickler, obj)
+    lane = _Pickler.lanes.get(type(obj))
+    if lane is not None:
+        out = lane(obj)
+        if out is not None:
+            return out
     try:
         data, ctx = _dump(_Pickler, obj)
     except (pickle.PicklingError, AttributeError, TypeError):
@@ -337,6 +349,8 @@ def loads(data, fds: list[int]):
     """Unpickle a message from a shmtensor channel; closes every fd it did not keep."""
     if not fds:
         return pickle.loads(data)
+    if data and data[0] == 0:  # a lane: pickle data starts with PROTO (0x80)
+        return _lane_loads(data, fds)
     ctx = _RecvContext(fds)
     prev = getattr(_local, "recv", None)
     _local.recv = ctx
@@ -359,6 +373,17 @@ def loads(data, fds: list[int]):
                         os.close(fd)
                     except OSError:
                         pass
+
+
+def _lane_loads(data, fds: list[int]):
+    """A message sent without a pickler (see ``_Pickler.lanes``): one CUDA array."""
+    from .cuda import _vmm
+    if bytes(data[:len(_vmm.LANE)]) != _vmm.LANE:
+        for fd in fds:
+            os.close(fd)
+        raise pickle.UnpicklingError(f"unknown message kind {bytes(data[:2])!r}: the sender "
+                                     "runs another shmtensor version")
+    return _vmm.lane_loads(data, fds)
 
 
 def _rebuild_segment(key, kind, size, table_id, slot, data_i, lock_i):

@@ -73,6 +73,13 @@ def hold_and_report(queue, out, event):
     del t
 
 
+def report_sums(queue, out, event):
+    alone = queue.get()
+    whole, view = queue.get()
+    out.put((float(alone.sum()), float(whole.sum()), float(view.sum())))
+    event.wait(60)  # holding all three until told
+
+
 def hold_until_killed(queue, out):
     t = queue.get()
     out.put(float(t.sum()))

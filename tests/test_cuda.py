@@ -1,6 +1,7 @@
 """CUDA sharing (the CUDA issue).  Needs CuPy and a GPU: skipped cleanly elsewhere."""
 
 import os
+import pickle
 import signal
 import time
 
@@ -324,6 +325,42 @@ def test_vmm_small_arrays_share_a_slab_and_come_back_home(cp, ctx, lc):
     while shmtensor.cuda.ipc_collect() == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert shmtensor.debug_info()["cuda_vmm_slabs"] == 0 and not shmtensor.cuda.exports()
+
+
+def test_vmm_one_array_alone_or_in_a_container_crosses_alike(cp, ctx, lc):
+    from shmtensor import _reductions
+    from shmtensor.cuda import _vmm
+    a = shmtensor.cuda.full((1000,), 3, dtype=cp.float32)
+    data, sent = _reductions.dumps(a[5:])  # alone: the lane, no pickler
+    assert bytes(data[:len(_vmm.LANE)]) == _vmm.LANE
+    sent.release()
+    data, sent = _reductions.dumps([a])  # in a container: the general path
+    assert bytes(data[:1]) == pickle.PROTO
+    sent.release()
+    q = ctx.Queue()
+    q.put(a[5:])
+    q.put([a, a[10:20]])
+    alone, (whole, view) = q.get(timeout=JOIN), q.get(timeout=JOIN)
+    assert alone.data.ptr == a.data.ptr + 20 and view.data.ptr == a.data.ptr + 40
+    assert alone.shape == (995,) and float(whole.sum()) == 3000.0
+    out, e = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=ch.report_sums, args=(q, out, e))
+    p.start()
+    q.put(a[5:])
+    q.put([a, a[10:20]])
+    assert out.get(timeout=JOIN) == (2985.0, 3000.0, 30.0)
+    block = a.data.mem._owner
+    slot = block.slab.slots[block.index]
+    from ipc import ofd_lease
+    assert ofd_lease.own_table().is_held(slot)  # the child still holds what it got
+    e.set()
+    join_all(p)
+    del alone, whole, view
+    deadline = time.monotonic() + 10
+    while ofd_lease.own_table().is_held(slot) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not ofd_lease.own_table().is_held(slot)
+    del a
 
 
 @pytest.mark.parametrize("stream", ["null", "per-thread default", "user"])

@@ -103,3 +103,13 @@ def test_try_send_frame_uses_the_same_headers(pair):
         os.close(got_fds[0])
     finally:
         os.close(fd)
+
+
+def test_a_message_of_an_unknown_kind_is_refused_and_its_fds_closed():
+    import pickle
+
+    from shmtensor import _reductions
+    fds = [os.open("/dev/null", os.O_RDONLY), os.open("/dev/null", os.O_RDONLY)]
+    with pytest.raises(pickle.UnpicklingError, match="another shmtensor version"):
+        _reductions.loads(b"\0Z" + pickle.dumps(1), fds)
+    assert not [fd for fd in fds if os.path.exists(f"/proc/self/fd/{fd}")]

@@ -149,8 +149,13 @@ def _order(cp, device: int) -> bytes | None:
     key = ("cuda-order", device, stream.ptr)
     if key in memo:
         return memo[key]
-    handle = memo[key] = None if stream.done else _record_ring(cp, device, stream)
+    handle = memo[key] = order_now(cp, device, stream)
     return handle
+
+
+def order_now(cp, device: int, stream) -> bytes | None:
+    """:func:`_order` for a message that carries one array (no memo needed)."""
+    return None if stream.done else _record_ring(cp, device, stream)
 
 
 def _record_ring(cp, device: int, stream) -> bytes | None:
@@ -412,13 +417,19 @@ def wait_event(cp, event_handle: bytes) -> None:
     """Make the current stream wait for a sender's ring event (the host does not wait);
     once per message and stream."""
     memo = _reductions.message_memo()
-    key = ("cuda-wait", event_handle, cp.cuda.get_current_stream().ptr)
+    stream = cp.cuda.get_current_stream().ptr
+    key = ("cuda-wait", event_handle, stream)
     if key in memo:
         return
     memo[key] = True
+    stream_wait(cp, event_handle, stream)
+
+
+def stream_wait(cp, event_handle: bytes, stream: int) -> None:
+    """Make ``stream`` wait for a sender's ring event."""
     own = _own_events.get(event_handle)
     if own is not None:  # sent to ourselves
-        cp.cuda.get_current_stream().wait_event(own)
+        cp.cuda.runtime.streamWaitEvent(stream, own.ptr)
         return
     with _lock:  # no other thread closes it between the lookup and the wait
         ev = _ring_opened.get(event_handle)
@@ -427,7 +438,7 @@ def wait_event(cp, event_handle: bytes) -> None:
             if len(_ring_opened) > RING_OPENED_LIMIT:  # senders come and go: close the
                 _, old = _ring_opened.popitem(last=False)  # first opened
                 cp.cuda.runtime.eventDestroy(old)  # waits already queued on it complete
-        cp.cuda.runtime.streamWaitEvent(cp.cuda.get_current_stream().ptr, ev)
+        cp.cuda.runtime.streamWaitEvent(stream, ev)
 
 
 def _evict(keep: int) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 import threading
 from collections import OrderedDict, deque
 
@@ -190,17 +191,23 @@ def malloc(nbytes: int):
     return cp.cuda.MemoryPointer(mem, 0)
 
 
+def _slot_of(owner: _Block) -> int:
+    """The lease slot of an own block, given on its first send."""
+    slab = owner.slab
+    slot = slab.slots[owner.index]
+    if not slot:
+        with _lock:  # two threads sending it at once must agree on one slot
+            slot = slab.slots[owner.index]
+            if not slot:
+                slot = slab.slots[owner.index] = ofd_lease.own_table().new_slot()
+    return slot
+
+
 def reduce_array(cp, arr, mem, owner):
     """An array on shared memory: its slab (whose fd travels once per message), its place in
     it, and its block's lease (this process's, or the producer's when forwarding)."""
     if isinstance(owner, _Block):
-        slab, table_id = owner.slab, ofd_lease.own_table().id
-        slot = slab.slots[owner.index]
-        if not slot:
-            with _lock:  # two threads sending it at once must agree on one slot
-                slot = slab.slots[owner.index]
-                if not slot:
-                    slot = slab.slots[owner.index] = ofd_lease.own_table().new_slot()
+        slab, table_id, slot = owner.slab, ofd_lease.own_table().id, _slot_of(owner)
     else:
         slab, table_id, slot = owner.slab, owner.table_id, owner.slot
     # the array kept alive with the message keeps the slab's fd open until it is sent: a
@@ -221,58 +228,133 @@ def reduce_array(cp, arr, mem, owner):
                             arr.shape, arr.strides, arr.dtype.str, table_id, slot, lock_i, ev)
 
 
-def _mapping(key: str, bus_id: str, size: int, fd_i: int) -> _Mapped:
-    """The slab ``key`` in this process: its own, or mapped from the message's fd ``fd_i``
-    (caller holds ``_lock``)."""
+def _mapping(key: str, bus_id: str, size: int, fd: int) -> tuple[_Mapped, bool]:
+    """The slab ``key`` in this process: its own, or mapped from ``fd`` (a message's copy of
+    the slab's fd); True when ``fd`` was kept for the mapping (caller holds ``_lock``)."""
     s = _slabs.get(key)
     if s is not None:  # back where it was made: this process's own mapping
-        return s
+        return s, False
     m = _maps.get(key)
     if m is not None:
         _maps.move_to_end(key)
-        return m
+        return m, False
     device = _ipc._local_device(_ipc.cupy(), bus_id)
-    handle = cuda_vmm.import_fd(device, _reductions.received_fd(fd_i))
+    handle = cuda_vmm.import_fd(device, fd)
     try:
         ptr = cuda_vmm.map_handle(device, handle, size)
     finally:
         cuda_vmm.release(device, handle)
     m = _SlabMap()
-    m.key, m.device, m.bus_id, m.ptr, m.size = key, device, bus_id, ptr, size
-    m.fd = _reductions.take_received_fd(fd_i)
+    m.key, m.device, m.bus_id, m.ptr, m.size, m.fd = key, device, bus_id, ptr, size, fd
     m.users = 0
     _maps[key] = m
-    return m
+    return m, True
+
+
+def _use(s: _Mapped, table_id: str, slot: int, lease_fd: int, deferred: list) -> "_VUse":
+    """The owner of this process's arrays on block ``slot`` of slab ``s``, made (and the
+    block held: ``ofd_lease.hold``) if none lives (caller holds ``_lock``)."""
+    k = (table_id, slot)
+    ref = _uses.get(k)
+    use = ref() if ref is not None else None
+    if use is None:
+        ofd_lease.hold(table_id, slot, lease_fd, deferred)
+        use = _VUse()
+        use.slab, use.table_id, use.slot = s, table_id, slot
+        done = None
+        if isinstance(s, _SlabMap):
+            s.users += 1
+            done = functools.partial(_map_released, s)
+        _uses[k] = _ipc.use_ref(use, (s.device, table_id, slot, done))
+        _sweep_uses()
+    return use
+
+
+def _array(cp, s: _Mapped, use: "_VUse", offset, shape, strides, dtype):
+    mem = cp.cuda.UnownedMemory(s.ptr, s.size, use, s.device)
+    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
 
 
 def _rebuild_array(key, bus_id, size, fd_i, offset, shape, strides, dtype, table_id, slot,
                    lock_i, event_handle):
     cp = _ipc.cupy()
     lease_fd, deferred = _reductions.received_lease(table_id, slot, lock_i)
-    k = (table_id, slot)
     with _lock:  # the mapping is not unmapped before the use below counts as its user
-        s = _mapping(key, bus_id, size, fd_i)
-        ref = _uses.get(k)
-        use = ref() if ref is not None else None
-        if use is None:
-            ofd_lease.hold(table_id, slot, lease_fd, deferred)
-            use = _VUse()
-            use.slab, use.table_id, use.slot = s, table_id, slot
-            done = None
-            if isinstance(s, _SlabMap):
-                s.users += 1
-                done = functools.partial(_map_released, s)
-            _uses[k] = _ipc.use_ref(use, (s.device, table_id, slot, done))
-            _sweep_uses()
-    mem = cp.cuda.UnownedMemory(s.ptr, s.size, use, s.device)
+        s, took = _mapping(key, bus_id, size, _reductions.received_fd(fd_i))
+        if took:
+            _reductions.take_received_fd(fd_i)
+        use = _use(s, table_id, slot, lease_fd, deferred)
     if cp.cuda.runtime.getDevice() == s.device:
         if event_handle is not None:
             _ipc.wait_event(cp, event_handle)
-        return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
+        return _array(cp, s, use, offset, shape, strides, dtype)
     with cp.cuda.Device(s.device):
         if event_handle is not None:
             _ipc.wait_event(cp, event_handle)
-        return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
+        return _array(cp, s, use, offset, shape, strides, dtype)
+
+
+# A message that is one array on shared memory, the common case of a queue of arrays, goes
+# without a pickler: LANE and a plain pickle of its fields, and its fds (the slab's, then
+# the in-flight description of the block's lease, which the receiver keeps as its hold).
+# Anything else (a view on another device, an array inside a container, ...) takes the
+# general path above.
+LANE = b"\0V"
+
+
+def lane_dumps(arr):
+    """``arr`` alone as a message ``(payload, SendContext)``, or None when it is not on a
+    slab, or not on the current device."""
+    mem = arr.data.mem
+    owner = getattr(mem, "_owner", None)
+    kind = type(owner)
+    if kind is _Block:
+        slab, table_id, slot = owner.slab, ofd_lease.own_table().id, _slot_of(owner)
+    elif kind is _VUse:
+        slab, table_id, slot = owner.slab, owner.table_id, owner.slot
+    else:
+        return None
+    cp = _ipc._cp
+    if cuda_ipc.bad_fork() or cp.cuda.runtime.getDevice() != slab.device:
+        return None  # the general path says what is wrong, or switches devices
+    ev = _ipc.order_now(cp, slab.device, cp.cuda.get_current_stream())
+    ctx = _reductions.SendContext()
+    ctx.keep.append(mem)  # keeps the slab's fd open until sent (see reduce_array)
+    ctx.fds += (slab.fd, -1)
+    ctx.inflight[(table_id, slot % ofd_lease.SHARDS)] = (1, [slot])
+    fields = (slab.key, slab.bus_id, slab.size, arr.data.ptr - slab.ptr, arr.shape,
+              arr.strides, arr.dtype.str, table_id, slot, ev)
+    return LANE + pickle.dumps(fields, pickle.HIGHEST_PROTOCOL), ctx
+
+
+def lane_loads(data, fds: list[int]):
+    """The array of a :func:`lane_dumps` message; closes every fd it does not keep."""
+    try:
+        (key, bus_id, size, offset, shape, strides, dtype, table_id, slot,
+         event_handle) = pickle.loads(memoryview(data)[len(LANE):])
+        if len(fds) != 2:
+            raise pickle.UnpicklingError(f"a shared CUDA array came with {len(fds)} fds, not 2")
+        cp = _ipc.cupy()
+        deferred: list = []
+        with _lock:
+            s, took = _mapping(key, bus_id, size, fds[0])
+            if took:
+                fds[0] = -1
+            use = _use(s, table_id, slot, fds[1], deferred)
+            if deferred and ofd_lease.establish(table_id, slot, fds[1], True):
+                fds[1] = -1  # the message's description is the hold now
+        if cp.cuda.runtime.getDevice() == s.device:
+            if event_handle is not None:
+                _ipc.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
+            return _array(cp, s, use, offset, shape, strides, dtype)
+        with cp.cuda.Device(s.device):
+            if event_handle is not None:
+                _ipc.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
+            return _array(cp, s, use, offset, shape, strides, dtype)
+    finally:
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
 
 
 _sweep_at = [1024]
