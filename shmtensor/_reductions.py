@@ -375,10 +375,15 @@ def loads(data, fds: list[int]):
                         pass
 
 
+_vmm = None  # shmtensor.cuda._vmm, imported by the first message that needs it
+
+
 def _lane_loads(data, fds: list[int]):
     """A message sent without a pickler (see ``_Pickler.lanes``): one CUDA array."""
-    from .cuda import _vmm
-    if bytes(data[:len(_vmm.LANE)]) != _vmm.LANE:
+    global _vmm
+    if _vmm is None:
+        from .cuda import _vmm
+    if data[:len(_vmm.LANE)] != _vmm.LANE:
         for fd in fds:
             os.close(fd)
         raise pickle.UnpicklingError(f"unknown message kind {bytes(data[:2])!r}: the sender "
