@@ -2,7 +2,8 @@
 
 1. The seed's send_many: N small arrays relayed through three processes (producer ->
    forwarder that copies -> summer); per-array time past start-up: the summer's own time
-   from its N0-th array to its N-th, / (N - N0), median of REPEATS relays.
+   from its N0-th array to its N-th, / (N - N0), median of REPEATS relays, run in rounds
+   (each round runs every contender once, so a drift in the machine's speed hits all alike).
 2. A 1 GiB array sent again and again once its allocation is open: time per get().
 
 Usage: python -m benchmarks.bench_cuda [--json FILE] (scripts/gpu_check runs it; scripts/bench
@@ -12,6 +13,7 @@ includes it as its "cuda" section where a GPU is visible).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -24,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "tests"))  # the CUDA test helpers are the relay's stages
 
 N, N0, SIZE = 10_000, 1_000, 5
-REPEATS = 3
+REPEATS = 5
 
 
 def _relay(ctx, targets, count: int) -> dict:
@@ -49,10 +51,9 @@ def _relay(ctx, targets, count: int) -> dict:
     return {"wall_s": wall, "per_array_s": steady_s / (count - N0)}
 
 
-def _relays(ctx, targets) -> dict:
-    """The median of ``REPEATS`` relays of N arrays (per array past the first N0)."""
-    runs = sorted((_relay(ctx, targets, N) for _ in range(REPEATS)),
-                  key=lambda r: r["per_array_s"])
+def _summary(runs: list[dict]) -> dict:
+    """The median of a contender's relays (per array past the first N0)."""
+    runs = sorted(runs, key=lambda r: r["per_array_s"])
     mid = runs[len(runs) // 2]
     return {"per_array_s": mid["per_array_s"], "wall_s": mid["wall_s"],
             "runs_per_array_s": [r["per_array_s"] for r in runs]}
@@ -88,13 +89,13 @@ def _shm_sum(q2, q3, e, count, mode):
     _timed_sum(q2, q3, e, count, lambda: cp.zeros([SIZE], dtype=cp.int64))
 
 
-def _relay_shm(mode: str) -> dict:
-    """``mode``: "vmm" (each stage allocates with shmtensor.cuda.set_allocator()) or "ipc"
-    (CuPy's default pool, legacy CUDA IPC)."""
+def _relay_shm(mode: str):
+    """One relay with shmtensor; ``mode``: "vmm" (each stage allocates with
+    shmtensor.cuda.set_allocator()) or "ipc" (CuPy's default pool, legacy CUDA IPC)."""
     import functools
     import shmtensor.multiprocessing as smp
     stages = tuple(functools.partial(f, mode=mode) for f in (_shm_send, _shm_forward, _shm_sum))
-    return _relays(smp.get_context("spawn"), stages)
+    return lambda: _relay(smp.get_context("spawn"), stages, N)
 
 
 def _torch_send(q, e, count):
@@ -115,9 +116,9 @@ def _torch_sum(q2, q3, e, count):
     _timed_sum(q2, q3, e, count, lambda: torch.zeros([SIZE], device="cuda", dtype=torch.long))
 
 
-def _relay_torch() -> dict:
+def _relay_torch():
     import torch.multiprocessing as tmp
-    return _relays(tmp.get_context("spawn"), (_torch_send, _torch_forward, _torch_sum))
+    return lambda: _relay(tmp.get_context("spawn"), (_torch_send, _torch_forward, _torch_sum), N)
 
 
 def _big_sender(q, e, reps, mode):
@@ -154,17 +155,23 @@ def _big_array(mode: str, reps: int = 50) -> dict:
 
 
 def measure() -> dict:
-    res = {}
-    for mode, label in (("vmm", "shmtensor_relay"), ("ipc", "shmtensor_relay_cupy_pool")):
-        res[label] = _relay_shm(mode)
-        print(f"  cuda         relay ({mode}) {res[label]['per_array_s'] * 1e6:.0f} us per array",
-              file=sys.stderr, flush=True)
-    try:
-        res["torch_relay"] = _relay_torch()
-        print(f"  cuda         relay (torch) {res['torch_relay']['per_array_s'] * 1e6:.0f} us per "
-              "array", file=sys.stderr, flush=True)
-    except ImportError:
-        res["torch_relay"] = None
+    relays = {"shmtensor_relay": _relay_shm("vmm"), "shmtensor_relay_cupy_pool": _relay_shm("ipc")}
+    if importlib.util.find_spec("torch") is not None:
+        relays["torch_relay"] = _relay_torch()
+    # Rounds, each running every contender once: a device machine's speed drifts during a
+    # run (a fresh one speeds up over its first minutes), which would favour whoever ran last.
+    runs: dict[str, list] = {label: [] for label in relays}
+    for i in range(REPEATS):
+        for label, relay in relays.items():
+            runs[label].append(relay())
+            print(f"  cuda         round {i + 1} {label}: "
+                  f"{runs[label][-1]['per_array_s'] * 1e6:.0f} us per array",
+                  file=sys.stderr, flush=True)
+    res = {label: _summary(r) for label, r in runs.items()}
+    res.setdefault("torch_relay", None)
+    if res["torch_relay"] is not None:
+        res["round_ratios"] = [t["per_array_s"] / v["per_array_s"]
+                               for t, v in zip(runs["torch_relay"], runs["shmtensor_relay"])]
     for mode, label in (("ipc", "big_array"), ("vmm", "big_array_vmm")):
         res[label] = _big_array(mode)
     return res
@@ -200,7 +207,11 @@ def section(res: dict) -> Section:
                    table=table, targets=targets, data=res,
                    notes=[f"per array: the last stage's own time from its {N0:,}th array to "
                           f"its {N:,}th, / {N - N0:,} (start-up excluded); median of "
-                          f"{REPEATS} relays"])
+                          f"{REPEATS} relays, run in rounds (each round runs every contender "
+                          "once)"] + ([
+                       "torch / shmtensor (VMM) within each round: " + ", ".join(
+                           f"{x:.2f}x" for x in res["round_ratios"])]
+                       if res.get("round_ratios") else []))
 
 
 def run() -> Section:

@@ -42,7 +42,7 @@ import threading
 
 from .posix_shm import PREFIX, process_tag
 
-__all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "establish",
+__all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "hold_sole", "establish",
            "release", "inflight_fd", "kept_budget", "probe_held", "forget_idle", "own_fds",
            "table_count", "before_fork", "after_fork_in_parent", "after_fork_in_child"]
 
@@ -227,17 +227,7 @@ def establish(table_id: str, slot: int, inflight: int, sole: bool) -> bool:
     with h.lock:
         if h.counts.get(slot, 0) == 0 or slot in h.by:
             return False  # let go during the load, or held some other way meanwhile
-        keep = False
-        if sole:
-            with _kept_lock:
-                if _kept < budget:
-                    _kept += 1
-                    keep = True
-        if keep:
-            h.by[slot] = inflight
-        else:
-            _setlk(h.fd_for(slot, inflight), fcntl.F_RDLCK, slot)
-            h.by[slot] = -1
+        keep = _make_real(h, slot, inflight, sole, budget)
         if h.counts.get(slot, 0) == 0:  # released by a finalizer that ran meanwhile: undo
             h.by.pop(slot, None)
             if keep:  # the caller closes ``inflight``
@@ -247,6 +237,41 @@ def establish(table_id: str, slot: int, inflight: int, sole: bool) -> bool:
                 _setlk(h.fds[slot % SHARDS], fcntl.F_UNLCK, slot)
             return False
         return keep
+
+
+def hold_sole(table_id: str, slot: int, inflight: int) -> bool:
+    """:func:`hold` + :func:`establish` in one step, for a loaded message whose in-flight
+    description ``inflight`` covers ``slot`` alone (see ``shmtensor.cuda._vmm``'s lane).
+    Returns True when ``inflight`` became the hold (the caller must then not close it)."""
+    budget = kept_budget()
+    while True:
+        h = _holdings.get(table_id) or _holding(table_id)
+        with h.lock:
+            if h.gone:  # forgotten meanwhile: adopt again
+                continue
+            n = h.counts.get(slot, 0)
+            if n:
+                h.counts[slot] = n + 1
+                return False
+            keep = _make_real(h, slot, inflight, True, budget)
+            h.counts[slot] = 1
+            return keep
+
+
+def _make_real(h: _Holding, slot: int, inflight: int, sole: bool, budget: int) -> bool:
+    """Hold ``slot`` by ``inflight`` itself (when ``sole`` and within the budget: True) or
+    by a lock through this process's description of its file (caller holds ``h.lock``)."""
+    global _kept
+    fd = h.fd_for(slot, inflight)  # made on first need: forwarding reopens it
+    if sole:
+        with _kept_lock:
+            if _kept < budget:
+                _kept += 1
+                h.by[slot] = inflight
+                return True
+    _setlk(fd, fcntl.F_RDLCK, slot)
+    h.by[slot] = -1
+    return False
 
 
 def release(table_id: str, slot: int) -> None:

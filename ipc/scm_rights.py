@@ -39,6 +39,7 @@ _ANC_SIZE = socket.CMSG_SPACE(MAX_FDS * 4) if HAVE_SCM_RIGHTS else 0
 _INLINE = 1 << 16
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)
 _DONTWAIT = int(socket.MSG_DONTWAIT)
+_SOL_SOCKET, _SCM_RIGHTS = int(socket.SOL_SOCKET), int(getattr(socket, "SCM_RIGHTS", 1))
 # Received fds are close-on-exec, as Python makes its own: a kept one (a lease) must not
 # live on in a program this process starts.
 _RECV_FLAGS = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
@@ -109,10 +110,8 @@ def _sendall_msg(sock, buf, fds):
 def _collect(ancdata, flags, fds: list) -> bool:
     """Add the fds of ``ancdata`` to ``fds``; False when some were dropped (MSG_CTRUNC)."""
     for level, kind, payload in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            got = array.array("i")
-            got.frombytes(payload[:len(payload) - len(payload) % got.itemsize])
-            fds.extend(got)
+        if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
+            fds.extend(memoryview(payload)[:len(payload) // 4 * 4].cast("i"))
     return not flags & _MSG_CTRUNC
 
 

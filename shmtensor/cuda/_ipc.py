@@ -160,7 +160,9 @@ def order_now(cp, device: int, stream) -> bytes | None:
 
 def _record_ring(cp, device: int, stream) -> bytes | None:
     with _lock:
-        ring = _rings.setdefault(device, [])
+        ring = _rings.get(device)
+        if ring is None:
+            ring = _rings[device] = []
         i = _ring_next.get(device, 0)
         if i >= len(ring):
             try:

@@ -62,7 +62,7 @@ class _Slab(_Mapped):
 class _SlabMap(_Mapped):
     """Another process's slab; ``users``: its blocks held by live arrays or a message."""
 
-    __slots__ = ("users",)
+    __slots__ = ("users", "done")
 
 
 class _Block:
@@ -162,7 +162,10 @@ def _free_block(slab: _Slab, index: int, stream: int) -> None:
     key = (slab.device, stream, slab.block)
     with _lock:
         if slab.slots[index]:  # it was sent: reusable once nobody holds it (see _reclaim)
-            _held.setdefault(key, deque()).append((slab, index))
+            held = _held.get(key)
+            if held is None:
+                held = _held[key] = deque()
+            held.append((slab, index))
         else:
             _free.setdefault(key, []).append((slab, index))
             slab.live -= 1
@@ -247,27 +250,36 @@ def _mapping(key: str, bus_id: str, size: int, fd: int) -> tuple[_Mapped, bool]:
     m = _SlabMap()
     m.key, m.device, m.bus_id, m.ptr, m.size, m.fd = key, device, bus_id, ptr, size, fd
     m.users = 0
+    m.done = functools.partial(_map_released, m)  # a use's release calls it
     _maps[key] = m
     return m, True
 
 
-def _use(s: _Mapped, table_id: str, slot: int, lease_fd: int, deferred: list) -> "_VUse":
-    """The owner of this process's arrays on block ``slot`` of slab ``s``, made (and the
-    block held: ``ofd_lease.hold``) if none lives (caller holds ``_lock``)."""
+def _use(s: _Mapped, table_id: str, slot: int, lease_fd: int, deferred: list | None
+         ) -> tuple["_VUse", bool]:
+    """The owner of this process's arrays on block ``slot`` of slab ``s``, made if none
+    lives (caller holds ``_lock``), and whether ``lease_fd`` was kept as the block's hold.
+    A new use holds the block: ``ofd_lease.hold`` with ``deferred``, or, when ``deferred``
+    is None (a loaded one-array message), ``ofd_lease.hold_sole``."""
     k = (table_id, slot)
     ref = _uses.get(k)
     use = ref() if ref is not None else None
+    kept = False
     if use is None:
-        ofd_lease.hold(table_id, slot, lease_fd, deferred)
+        if deferred is None:
+            kept = ofd_lease.hold_sole(table_id, slot, lease_fd)
+        else:
+            ofd_lease.hold(table_id, slot, lease_fd, deferred)
         use = _VUse()
         use.slab, use.table_id, use.slot = s, table_id, slot
         done = None
-        if isinstance(s, _SlabMap):
+        if type(s) is _SlabMap:
             s.users += 1
-            done = functools.partial(_map_released, s)
+            done = s.done
         _uses[k] = _ipc.use_ref(use, (s.device, table_id, slot, done))
-        _sweep_uses()
-    return use
+        if len(_uses) >= _sweep_at[0]:
+            _sweep_uses()
+    return use, kept
 
 
 def _array(cp, s: _Mapped, use: "_VUse", offset, shape, strides, dtype):
@@ -283,7 +295,7 @@ def _rebuild_array(key, bus_id, size, fd_i, offset, shape, strides, dtype, table
         s, took = _mapping(key, bus_id, size, _reductions.received_fd(fd_i))
         if took:
             _reductions.take_received_fd(fd_i)
-        use = _use(s, table_id, slot, lease_fd, deferred)
+        use, _ = _use(s, table_id, slot, lease_fd, deferred)
     if cp.cuda.runtime.getDevice() == s.device:
         if event_handle is not None:
             _ipc.wait_event(cp, event_handle)
@@ -335,13 +347,12 @@ def lane_loads(data, fds: list[int]):
         if len(fds) != 2:
             raise pickle.UnpicklingError(f"a shared CUDA array came with {len(fds)} fds, not 2")
         cp = _ipc.cupy()
-        deferred: list = []
         with _lock:
             s, took = _mapping(key, bus_id, size, fds[0])
             if took:
                 fds[0] = -1
-            use = _use(s, table_id, slot, fds[1], deferred)
-            if deferred and ofd_lease.establish(table_id, slot, fds[1], True):
+            use, kept = _use(s, table_id, slot, fds[1], None)
+            if kept:
                 fds[1] = -1  # the message's description is the hold now
         if cp.cuda.runtime.getDevice() == s.device:
             if event_handle is not None:
@@ -361,12 +372,11 @@ _sweep_at = [1024]
 
 
 def _sweep_uses() -> None:
-    """Drop the dead refs from ``_uses`` once it has doubled (caller holds ``_lock``): a
-    use's death takes no lock (see ``_ipc.UseRef``), so it leaves its ref behind."""
-    if len(_uses) >= _sweep_at[0]:
-        for k in [k for k, r in _uses.items() if r() is None]:
-            del _uses[k]
-        _sweep_at[0] = max(1024, 2 * len(_uses))
+    """Drop the dead refs from ``_uses`` (it has doubled since the last sweep; caller holds
+    ``_lock``): a use's death takes no lock (see ``_ipc.UseRef``), so it leaves its ref."""
+    for k in [k for k, r in _uses.items() if r() is None]:
+        del _uses[k]
+    _sweep_at[0] = max(1024, 2 * len(_uses))
 
 
 def _map_released(m: _SlabMap) -> None:
