@@ -35,6 +35,7 @@ and the kept descriptions, each of which saves a walk.
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import resource
 import struct
@@ -141,6 +142,7 @@ class _Holding:
 
 
 _own: LeaseTable | None = None
+_gc_was_enabled = True  # across a fork (see before_fork)
 _holdings: dict[str, _Holding] = {}
 _registry_lock = threading.Lock()
 
@@ -159,10 +161,9 @@ def own_table() -> LeaseTable:
 def _holding(table_id: str) -> _Holding:
     h = _holdings.get(table_id)
     if h is None:
+        new = _Holding(table_id)  # made before the lock: no GC pass (finalizers) inside it
         with _registry_lock:
-            h = _holdings.get(table_id)
-            if h is None:
-                h = _holdings[table_id] = _Holding(table_id)
+            h = _holdings.setdefault(table_id, new)
     return h
 
 
@@ -204,8 +205,8 @@ _budget: list[int] = []
 def kept_budget() -> int:
     """How many fds of one kind this process keeps for later (received segment memfds, to
     forward; in-flight descriptions, as holds): an eighth of its fd limit when first asked,
-    at most 256.  Past it, segments are re-sent by copy and holds are locks through the
-    table's one description."""
+    at most 256.  Past it, segments are re-sent by copy and holds are locks through this
+    process's description of the table file (at most one per peer and file)."""
     if not _budget:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft == resource.RLIM_INFINITY:
@@ -229,7 +230,9 @@ def establish(table_id: str, slot: int, inflight: int, sole: bool) -> bool:
             return False  # let go during the load, or held some other way meanwhile
         keep = _make_real(h, slot, inflight, sole, budget)
         if h.counts.get(slot, 0) == 0:  # released by a finalizer that ran meanwhile: undo
-            h.by.pop(slot, None)
+            if h.by.pop(slot, None) is None:
+                # that release let go of it already (closing ``inflight`` if it was kept)
+                return keep
             if keep:  # the caller closes ``inflight``
                 with _kept_lock:
                     _kept -= 1
@@ -334,18 +337,22 @@ def _close_all(fds) -> None:
 def forget_idle() -> int:
     """Close the holding descriptions of peer tables through which nothing is held."""
     closed = 0
-    with _registry_lock:
-        for tid, h in list(_holdings.items()):
-            if _own is not None and tid == _own.id:
+    for tid, h in list(_holdings.items()):  # listed before the locks: nothing made inside
+        if _own is not None and tid == _own.id:
+            continue
+        with _registry_lock, h.lock:
+            if h.counts or _holdings.get(tid) is not h:
                 continue
-            with h.lock:
-                if h.counts:
-                    continue
-                del _holdings[tid]
-                h.gone = True
-                fds, h.fds = h.fds, [-1] * SHARDS
-                _close_all(fds)
-                closed += 1
+            del _holdings[tid]
+            h.gone = True
+            for k in range(SHARDS):
+                if h.fds[k] >= 0:
+                    try:
+                        os.close(h.fds[k])
+                    except OSError:
+                        pass
+                    h.fds[k] = -1
+            closed += 1
     return closed
 
 
@@ -364,14 +371,20 @@ def table_count() -> int:
 def before_fork() -> None:
     """Lock, in fresh descriptions, every slot held now: the child gets them at once, so
     no moment passes in which its inherited views are unprotected."""
+    global _gc_was_enabled
+    # No GC pass while these locks are held: a finalizer it ran could wait for a lock that
+    # another thread holds while waiting for one of these.
+    _gc_was_enabled = gc.isenabled()
+    gc.disable()
     _registry_lock.acquire()
     for h in _holdings.values():
         h.lock.acquire()
         h.fork_fds = [-1] * SHARDS
         for k, fd in enumerate(h.fds):
-            if fd >= 0:
+            slots = [s for s in h.counts if s % SHARDS == k]
+            if fd >= 0 and slots:  # a file with nothing held needs no description
                 try:
-                    h.fork_fds[k] = _locked_copy(fd, [s for s in h.counts if s % SHARDS == k])
+                    h.fork_fds[k] = _locked_copy(fd, slots)
                 except OSError:
                     pass
 
@@ -382,6 +395,8 @@ def after_fork_in_parent() -> None:
         _close_all(fds)
         h.lock.release()
     _registry_lock.release()
+    if _gc_was_enabled:
+        gc.enable()
 
 
 def after_fork_in_child() -> None:
@@ -389,6 +404,8 @@ def after_fork_in_child() -> None:
     global _own, _registry_lock, _kept, _kept_lock
     _registry_lock = threading.Lock()
     _kept_lock = threading.Lock()
+    if _gc_was_enabled:
+        gc.enable()
     if _own is not None:
         _own.close()
         _own = None  # the parent's table: the child allocates slots in a table of its own

@@ -73,6 +73,12 @@ def hold_and_report(queue, out, event):
     del t
 
 
+def send_one_shared(queue, event):
+    import shmtensor.cuda
+    queue.put(shmtensor.cuda.full((1000,), 7.0))
+    event.wait(60)
+
+
 def report_sums(queue, out, event):
     alone = queue.get()
     whole, view = queue.get()

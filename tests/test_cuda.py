@@ -363,6 +363,28 @@ def test_vmm_one_array_alone_or_in_a_container_crosses_alike(cp, ctx, lc):
     del a
 
 
+def test_vmm_a_mapping_is_pinned_while_a_message_is_built_on_it(cp, ctx, lc, monkeypatch):
+    from ipc import ofd_lease
+    from shmtensor.cuda import _vmm
+    q, e = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=ch.send_one_shared, args=(q, e))
+    p.start()
+    real = ofd_lease.hold_sole
+
+    def evicting(*args):
+        _vmm._evict(0, 0)  # what a release run by a GC pass inside the load may do
+        return real(*args)
+
+    monkeypatch.setattr(ofd_lease, "hold_sole", evicting)
+    a = q.get(timeout=JOIN)
+    monkeypatch.undo()
+    assert shmtensor.debug_info()["cuda_vmm_mapped"] == 1  # the new mapping stayed
+    assert float(a.sum()) == 7000.0
+    del a
+    e.set()
+    join_all(p)
+
+
 @pytest.mark.parametrize("stream", ["null", "per-thread default", "user"])
 def test_cuda_release_waits_for_the_receivers_stream(cp, ctx, stream):
     from ipc import ofd_lease

@@ -233,14 +233,23 @@ def reduce_array(cp, arr, mem, owner):
 
 def _mapping(key: str, bus_id: str, size: int, fd: int) -> tuple[_Mapped, bool]:
     """The slab ``key`` in this process: its own, or mapped from ``fd`` (a message's copy of
-    the slab's fd); True when ``fd`` was kept for the mapping (caller holds ``_lock``)."""
+    the slab's fd); True when ``fd`` was kept for the mapping (caller holds ``_lock``).
+
+    Another process's slab comes back *pinned* (one more user): the caller unpins it with
+    :func:`_unpin` once a use counts.  ``_lock`` is re-entrant, so a GC pass in this thread
+    may run a release that evicts idle mappings: the pin keeps this one out of it."""
     s = _slabs.get(key)
     if s is not None:  # back where it was made: this process's own mapping
         return s, False
-    m = _maps.get(key)
-    if m is not None:
-        _maps.move_to_end(key)
-        return m, False
+    while True:
+        m = _maps.get(key)
+        if m is None:
+            break
+        m.users += 1
+        if _maps.get(key) is m:  # not evicted between the lookup and the pin
+            _maps.move_to_end(key)
+            return m, False
+        m.users -= 1
     device = _ipc._local_device(_ipc.cupy(), bus_id)
     handle = cuda_vmm.import_fd(device, fd)
     try:
@@ -249,10 +258,16 @@ def _mapping(key: str, bus_id: str, size: int, fd: int) -> tuple[_Mapped, bool]:
         cuda_vmm.release(device, handle)
     m = _SlabMap()
     m.key, m.device, m.bus_id, m.ptr, m.size, m.fd = key, device, bus_id, ptr, size, fd
-    m.users = 0
+    m.users = 1  # pinned
     m.done = functools.partial(_map_released, m)  # a use's release calls it
     _maps[key] = m
     return m, True
+
+
+def _unpin(s: _Mapped) -> None:
+    """Undo :func:`_mapping`'s pin (caller holds ``_lock``); eviction comes later, if due."""
+    if type(s) is _SlabMap:
+        s.users -= 1
 
 
 def _use(s: _Mapped, table_id: str, slot: int, lease_fd: int, deferred: list | None
@@ -291,11 +306,14 @@ def _rebuild_array(key, bus_id, size, fd_i, offset, shape, strides, dtype, table
                    lock_i, event_handle):
     cp = _ipc.cupy()
     lease_fd, deferred = _reductions.received_lease(table_id, slot, lock_i)
-    with _lock:  # the mapping is not unmapped before the use below counts as its user
+    with _lock:
         s, took = _mapping(key, bus_id, size, _reductions.received_fd(fd_i))
-        if took:
-            _reductions.take_received_fd(fd_i)
-        use, _ = _use(s, table_id, slot, lease_fd, deferred)
+        try:
+            if took:
+                _reductions.take_received_fd(fd_i)
+            use, _ = _use(s, table_id, slot, lease_fd, deferred)
+        finally:
+            _unpin(s)  # the use counts as a user now
     if cp.cuda.runtime.getDevice() == s.device:
         if event_handle is not None:
             _ipc.wait_event(cp, event_handle)
@@ -349,11 +367,14 @@ def lane_loads(data, fds: list[int]):
         cp = _ipc.cupy()
         with _lock:
             s, took = _mapping(key, bus_id, size, fds[0])
-            if took:
-                fds[0] = -1
-            use, kept = _use(s, table_id, slot, fds[1], None)
-            if kept:
-                fds[1] = -1  # the message's description is the hold now
+            try:
+                if took:
+                    fds[0] = -1
+                use, kept = _use(s, table_id, slot, fds[1], None)
+                if kept:
+                    fds[1] = -1  # the message's description is the hold now
+            finally:
+                _unpin(s)  # the use counts as a user now
         if cp.cuda.runtime.getDevice() == s.device:
             if event_handle is not None:
                 _ipc.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
