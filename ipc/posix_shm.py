@@ -21,8 +21,6 @@ import ctypes
 import errno
 import mmap
 import os
-import secrets
-import shutil
 import sys
 
 __all__ = [
@@ -55,7 +53,7 @@ def process_tag() -> str:
     """``<pid>_<token>``: names this process's segments; a fresh token after fork."""
     global _tag
     if _tag is None or not _tag.startswith(f"{os.getpid()}_"):
-        _tag = f"{os.getpid()}_{secrets.token_hex(3)}"
+        _tag = f"{os.getpid()}_{os.urandom(3).hex()}"  # what secrets.token_hex does
     return _tag
 
 
@@ -98,7 +96,8 @@ def _space_error(size: int, named: bool, err: OSError) -> ShmSpaceError:
 
 def _available(named: bool) -> int:
     if named:
-        return shutil.disk_usage(SHM_DIR).free
+        st = os.statvfs(SHM_DIR)  # shutil.disk_usage's free, without importing shutil
+        return st.f_bavail * st.f_frsize
     try:
         import psutil
         return psutil.virtual_memory().available
