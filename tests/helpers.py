@@ -215,3 +215,10 @@ def slow_joinable_consumer(queue, n):
         queue.get()
         time.sleep(0.001)
         queue.task_done()
+
+
+def die_holding(lock, ready):
+    """Take ``lock`` and wait to be killed holding it (a pool worker killed mid-send)."""
+    lock.acquire()
+    ready.set()
+    time.sleep(3600)

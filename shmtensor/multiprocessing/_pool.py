@@ -19,6 +19,7 @@ that dies while the pool is idle is simply replaced by the stdlib's own worker h
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 import weakref
@@ -26,6 +27,7 @@ from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import pool as _mpp
 from multiprocessing.connection import wait
 
+from .. import _queues
 from .._reductions import RemoteError
 
 __all__ = ["Pool", "WorkerLostError", "RemoteError"]
@@ -118,8 +120,37 @@ def _quit_early(pool: "Pool") -> bool:
     return pool._state == _mpp.RUN and not pool._maxtasksperchild
 
 
+class _ResultQueue(_queues.SimpleQueue):
+    """The pool's result queue.  Its workers share its write lock, and one killed mid-send
+    holds it for good: once the pool is broken, the end-of-results sentinel (the pool's
+    own ``put(None)``, from closing or terminating) waits for the lock a second at most,
+    then ends the result handler's reads instead, so ``terminate()`` does not hang."""
+
+    broken = False
+
+    def put(self, obj) -> None:
+        if obj is not None or not self.broken or self._wlock is None:
+            return super().put(obj)
+        if not self._wlock.acquire(timeout=1.0):
+            try:
+                self._reader._sock.shutdown(socket.SHUT_RD)  # the handler reads EOF: exits
+            except OSError:
+                pass
+            return
+        try:
+            self._writer.send(None)
+        finally:
+            self._wlock.release()
+
+
 class Pool(_mpp.Pool):
     """``multiprocessing.Pool`` on shmtensor channels that fails fast when a worker dies."""
+
+    def _setup_queues(self) -> None:
+        self._inqueue = self._ctx.SimpleQueue()
+        self._outqueue = _ResultQueue(ctx=self._ctx)
+        self._quick_put = self._inqueue._writer.send
+        self._quick_get = self._outqueue._reader.recv
 
     def __init__(self, *args, **kwargs) -> None:
         self._broken: WorkerLostError | None = None
@@ -154,6 +185,7 @@ class Pool(_mpp.Pool):
             "call(s) were pending: their results are lost and the pool is broken; close it "
             "and create a new Pool")
         self._broken = err
+        self._outqueue.broken = True
         for job in list(self._cache.values()):
             _fail(job, err)
 
