@@ -42,6 +42,7 @@ import struct
 import threading
 
 from .posix_shm import PREFIX, process_tag
+from .scm_rights import close_fds
 
 __all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "hold_sole", "establish",
            "release", "inflight_fd", "kept_budget", "probe_held", "forget_idle", "own_fds",
@@ -66,6 +67,7 @@ def probe_held(fd: int, slot: int) -> bool:
 
 
 SHARDS = 8  # lock files per table: slot ``s`` is byte ``s`` of file ``s % SHARDS``
+_NO_FDS = (-1,) * SHARDS
 
 
 class LeaseTable:
@@ -98,11 +100,7 @@ class LeaseTable:
         return probe_held(self.fds[slot % SHARDS], slot)
 
     def close(self) -> None:
-        for fd in self.fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        close_fds(self.fds)
         self.fds = []
 
 
@@ -248,7 +246,7 @@ def hold_sole(table_id: str, slot: int, inflight: int) -> bool:
     Returns True when ``inflight`` became the hold (the caller must then not close it)."""
     budget = kept_budget()
     while True:
-        h = _holdings.get(table_id) or _holding(table_id)
+        h = _holding(table_id)
         with h.lock:
             if h.gone:  # forgotten meanwhile: adopt again
                 continue
@@ -325,15 +323,6 @@ def _locked_copy(source: int, slots) -> int:
     return fd
 
 
-def _close_all(fds) -> None:
-    for fd in fds:
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
 def forget_idle() -> int:
     """Close the holding descriptions of peer tables through which nothing is held."""
     closed = 0
@@ -345,13 +334,8 @@ def forget_idle() -> int:
                 continue
             del _holdings[tid]
             h.gone = True
-            for k in range(SHARDS):
-                if h.fds[k] >= 0:
-                    try:
-                        os.close(h.fds[k])
-                    except OSError:
-                        pass
-                    h.fds[k] = -1
+            close_fds(h.fds)
+            h.fds[:] = _NO_FDS  # in place: nothing made while the locks are held
             closed += 1
     return closed
 
@@ -392,7 +376,7 @@ def before_fork() -> None:
 def after_fork_in_parent() -> None:
     for h in _holdings.values():
         fds, h.fork_fds = h.fork_fds, []
-        _close_all(fds)
+        close_fds(fds)
         h.lock.release()
     _registry_lock.release()
     if _gc_was_enabled:
@@ -413,9 +397,9 @@ def after_fork_in_child() -> None:
     for tid, h in list(_holdings.items()):
         old, h.fds, h.fork_fds = h.fds, h.fork_fds or [-1] * SHARDS, []
         h.lock = threading.RLock()
-        _close_all(old)
+        close_fds(old)
         # the parent's kept descriptions: the parent lets go of them
-        _close_all(by for by in h.by.values() if by >= 0)
+        close_fds(by for by in h.by.values() if by >= 0)
         h.by = dict.fromkeys(h.counts, -1)  # all held through the descriptions made before fork
         if any(h.fds[s % SHARDS] < 0 for s in h.counts):
             import warnings

@@ -22,11 +22,12 @@ socket must hold a lock around :func:`send_frame`, as the stdlib's queues alread
 from __future__ import annotations
 
 import array
+import os
 import socket
 import struct
 
 __all__ = ["HAVE_SCM_RIGHTS", "MAX_FDS", "ATOMIC_MAX", "send_frame", "try_send_frame",
-           "recv_frame"]
+           "recv_frame", "close_fds"]
 
 HAVE_SCM_RIGHTS = hasattr(socket, "SCM_RIGHTS") and hasattr(socket.socket, "sendmsg")
 MAX_FDS = 253
@@ -122,8 +123,7 @@ def _recv_exact_msg(sock, size: int, fds: list, dropped: list) -> bytes:
         if not _collect(ancdata, flags, fds):
             dropped.append(True)
         if not data:
-            for fd in fds:
-                _close_quietly(fd)
+            close_fds(fds)
             raise EOFError
         chunks.append(data)
         size -= len(data)
@@ -139,8 +139,7 @@ def recv_frame(sock: socket.socket) -> tuple[bytes, list[int]]:
         dropped.append(True)
     if len(head) < 4:  # a header split across reads, or the peer is gone
         if not head:
-            for fd in fds:
-                _close_quietly(fd)
+            close_fds(fds)
             raise EOFError
         head += _recv_exact_msg(sock, 4 - len(head), fds, dropped)
     (code,) = _SMALL.unpack(head)
@@ -154,20 +153,17 @@ def recv_frame(sock: socket.socket) -> tuple[bytes, list[int]]:
     elif (-3 - code) & 0xFF:
         n, nfds = divmod(-3 - code, 256)
     else:
-        for fd in fds:
-            _close_quietly(fd)
+        close_fds(fds)
         raise OSError(f"bad frame header {code}: the peer does not speak this protocol")
     for _ in range(-(-(nfds - MAX_FDS) // MAX_FDS) if nfds > MAX_FDS else 0):
         _recv_exact_msg(sock, 1, fds, dropped)
     try:
         buf = _recv_payload(sock, n)
     except BaseException:
-        for fd in fds:
-            _close_quietly(fd)
+        close_fds(fds)
         raise
     if dropped or len(fds) != nfds:
-        for fd in fds:  # the whole frame was read: the channel stays usable
-            _close_quietly(fd)
+        close_fds(fds)  # the whole frame was read: the channel stays usable
         raise OSError("file descriptors were dropped in transit (MSG_CTRUNC): this process hit "
                       "its open-file limit; raise it (ulimit -n) or hold fewer arrays from "
                       "different producers; the message was discarded")
@@ -198,9 +194,12 @@ def _recv_payload(sock: socket.socket, n: int):
     return buf
 
 
-def _close_quietly(fd: int) -> None:
-    import os
-    try:
-        os.close(fd)
-    except OSError:
-        pass
+def close_fds(fds) -> None:
+    """Close every fd of ``fds`` that is not -1 (a slot given away), ignoring ones already
+    closed: for received fds nobody keeps, and fds a process lets go of at exit."""
+    for fd in fds:
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass

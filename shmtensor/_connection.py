@@ -48,8 +48,7 @@ class Connection(_mpc.Connection):
 
     def _recv_bytes(self, maxsize=None):
         buf, fds = scm_rights.recv_frame(self._sock)
-        for fd in fds:
-            os.close(fd)
+        scm_rights.close_fds(fds)
         if maxsize is not None and len(buf) > maxsize:
             raise OSError("bad message length")
         return io.BytesIO(buf)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copyreg
 import io
-import os
 import pickle
 import sys
 import threading
@@ -32,7 +31,7 @@ from multiprocessing.reduction import ForkingPickler
 import cloudpickle
 import numpy as np
 
-from ipc import ofd_lease
+from ipc import ofd_lease, scm_rights
 
 from . import _recycler, _segments, _stats, _strategy
 from ._segments import FD, Segment
@@ -68,11 +67,7 @@ class SendContext:
 
     def release(self) -> None:
         owned, self.owned = self.owned, []
-        for fd in owned:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        scm_rights.close_fds(owned)
         self.keep = []
         self.fds = []
 
@@ -367,12 +362,7 @@ def loads(data, fds: list[int]):
         finally:
             for fn in ctx.after:
                 fn()
-            for fd in fds:
-                if fd >= 0:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
+            scm_rights.close_fds(fds)
 
 
 _vmm = None  # shmtensor.cuda._vmm, imported by the first message that needs it
@@ -384,8 +374,7 @@ def _lane_loads(data, fds: list[int]):
     if _vmm is None:
         from .cuda import _vmm
     if data[:len(_vmm.LANE)] != _vmm.LANE:
-        for fd in fds:
-            os.close(fd)
+        scm_rights.close_fds(fds)
         raise pickle.UnpicklingError(f"unknown message kind {bytes(data[:2])!r}: the sender "
                                      "runs another shmtensor version")
     return _vmm.lane_loads(data, fds)

@@ -25,7 +25,7 @@ import pickle
 import threading
 from collections import OrderedDict, deque
 
-from ipc import cuda_ipc, cuda_vmm, ofd_lease
+from ipc import cuda_ipc, cuda_vmm, ofd_lease, scm_rights
 
 from .. import _reductions
 from . import _ipc
@@ -384,9 +384,7 @@ def lane_loads(data, fds: list[int]):
                 _ipc.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
             return _array(cp, s, use, offset, shape, strides, dtype)
     finally:
-        for fd in fds:
-            if fd >= 0:
-                os.close(fd)
+        scm_rights.close_fds(fds)
 
 
 _sweep_at = [1024]
