@@ -45,19 +45,27 @@ from .posix_shm import PREFIX, process_tag
 from .scm_rights import close_fds
 
 __all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "hold_sole", "establish",
-           "release", "inflight_fd", "kept_budget", "probe_held", "forget_idle", "own_fds",
+           "release", "inflight_fd", "inflight_one", "kept_budget", "probe_held", "forget_idle", "own_fds",
            "table_count", "before_fork", "after_fork_in_parent", "after_fork_in_child"]
 
 HAVE_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")
+_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64 and aarch64
 
 
+_paths: dict[int, str] = {}
+_REOPEN = os.O_RDWR | os.O_CLOEXEC
+
+
 def _reopen(fd: int) -> int:
-    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    path = _paths.get(fd)
+    if path is None:
+        path = _paths[fd] = f"/proc/self/fd/{fd}"
+    return os.open(path, _REOPEN)
 
 
 def _setlk(fd: int, kind: int, slot: int) -> None:
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, slot, 1, 0))
+    fcntl.fcntl(fd, _SETLK, _FLOCK.pack(kind, 0, slot, 1, 0))  # 0: SEEK_SET
 
 
 def probe_held(fd: int, slot: int) -> bool:
@@ -244,18 +252,19 @@ def hold_sole(table_id: str, slot: int, inflight: int) -> bool:
     """:func:`hold` + :func:`establish` in one step, for a loaded message whose in-flight
     description ``inflight`` covers ``slot`` alone (see ``shmtensor.cuda._vmm``'s lane).
     Returns True when ``inflight`` became the hold (the caller must then not close it)."""
-    budget = kept_budget()
+    budget = _budget[0] if _budget else kept_budget()
     while True:
-        h = _holding(table_id)
+        h = _holdings.get(table_id) or _holding(table_id)
         with h.lock:
             if h.gone:  # forgotten meanwhile: adopt again
                 continue
-            n = h.counts.get(slot, 0)
+            counts = h.counts
+            n = counts.get(slot, 0)
             if n:
-                h.counts[slot] = n + 1
+                counts[slot] = n + 1
                 return False
             keep = _make_real(h, slot, inflight, True, budget)
-            h.counts[slot] = 1
+            counts[slot] = 1
             return keep
 
 
@@ -310,6 +319,20 @@ def inflight_fd(table_id: str, slots) -> int:
     own = _own
     source = own.fds[k] if own is not None and own.id == table_id else _holdings[table_id].fds[k]
     return _locked_copy(source, slots)
+
+
+def inflight_one(table_id: str, slot: int) -> int:
+    """:func:`inflight_fd` for one slot (a one-array message)."""
+    own = _own
+    k = slot % SHARDS
+    source = own.fds[k] if own is not None and own.id == table_id else _holdings[table_id].fds[k]
+    fd = _reopen(source)
+    try:
+        fcntl.fcntl(fd, _SETLK, _FLOCK.pack(fcntl.F_RDLCK, 0, slot, 1, 0))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _locked_copy(source: int, slots) -> int:

@@ -50,7 +50,7 @@ ATOMIC_MAX = 32 << 10  # a plain int: enum '&' costs microseconds
 
 
 def _anc(fds):
-    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    return [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))] if fds else []
 
 
 _COMPACT_MAX = (1 << 23) - 1  # payload bytes a compact fd header can say
@@ -75,10 +75,12 @@ def try_send_frame(sock: socket.socket, data, fds=()) -> bool:
     """Send a frame of at most ``ATOMIC_MAX`` bytes now if the socket has room (False,
     nothing sent, if it has not): lets a queue skip its feeder thread while the reader
     keeps up."""
-    data = memoryview(data).cast("B")
-    if len(fds) > MAX_FDS or len(data) + _WITH_FDS.size > ATOMIC_MAX:
+    if type(data) is not bytes:
+        data = memoryview(data).cast("B")
+    n = len(data)
+    if len(fds) > MAX_FDS or n + _WITH_FDS.size > ATOMIC_MAX:
         return False
-    header = _header(len(data), fds)
+    header = _SMALL.pack(-3 - (n << 8 | len(fds))) if fds else _SMALL.pack(n)
     try:
         sent = sock.sendmsg([header, data], _anc(fds), _DONTWAIT)
     except BlockingIOError:
@@ -132,9 +134,28 @@ def _recv_exact_msg(sock, size: int, fds: list, dropped: list) -> bytes:
 
 def recv_frame(sock: socket.socket) -> tuple[bytes, list[int]]:
     """Receive one frame: ``(payload, fds)``; the caller owns (and must close) the fds."""
+    head, ancdata, flags, _ = sock.recvmsg(4, _ANC_SIZE, _RECV_FLAGS)
+    if len(head) == 4 and len(ancdata) == 1 and not flags & _MSG_CTRUNC:
+        # the common small frame with fds (one SCM_RIGHTS message, compact header)
+        code = _SMALL.unpack(head)[0]
+        level, kind, payload = ancdata[0]
+        if code < -2 and level == _SOL_SOCKET and kind == _SCM_RIGHTS:
+            n, nfds = divmod(-3 - code, 256)
+            fds = list(memoryview(payload)[:len(payload) // 4 * 4].cast("i"))
+            if len(fds) == nfds:
+                try:
+                    return _recv_payload(sock, n), fds
+                except BaseException:
+                    close_fds(fds)
+                    raise
+            return _finish_frame(sock, head, ancdata, flags)  # says what went wrong
+    return _finish_frame(sock, head, ancdata, flags)
+
+
+def _finish_frame(sock, head: bytes, ancdata, flags) -> tuple[bytes, list[int]]:
+    """:func:`recv_frame` past its first read, for every header form."""
     fds: list[int] = []
     dropped: list = []
-    head, ancdata, flags, _ = sock.recvmsg(4, _ANC_SIZE, _RECV_FLAGS)
     if ancdata and not _collect(ancdata, flags, fds):
         dropped.append(True)
     if len(head) < 4:  # a header split across reads, or the peer is gone

@@ -28,8 +28,8 @@ class Frame:
 
     __slots__ = ("data", "ctx")
 
-    def __init__(self, obj) -> None:
-        self.data, self.ctx = _reductions.dumps(obj)
+    def __init__(self, data, ctx: _reductions.SendContext) -> None:
+        self.data, self.ctx = data, ctx
 
     def __reduce__(self):
         # The feeder 'pickles' each item and sends the result right away, in its thread:
@@ -63,43 +63,45 @@ class _ShmQueue:
             self._send_bytes = functools.partial(_feeder_send, self._writer, self._notempty,
                                                  self._unsent)
 
-    def _send_now(self, frame: Frame) -> bool:
-        """Send ``frame`` in this thread if that keeps the queue's order and the socket takes
-        it whole at once (caller holds ``_notempty``); False leaves it to the feeder thread,
-        which also meets any error as the stdlib's does."""
-        if (self._unsent[0] or len(frame.data) > scm_rights.ATOMIC_MAX
-                or len(frame.ctx.fds) > scm_rights.MAX_FDS):
+    def _send_now(self, data, ctx: _reductions.SendContext) -> bool:
+        """Send a message in this thread if that keeps the queue's order and the socket
+        takes it whole at once (caller holds ``_notempty``); False leaves it to the feeder
+        thread, which also meets any error as the stdlib's does."""
+        sock = self._writer._sock
+        if self._unsent[0] or sock is None or len(data) > scm_rights.ATOMIC_MAX:
             return False
-        if self._wlock is not None and not self._wlock.acquire(False):
+        wlock = self._wlock
+        if wlock is not None and not wlock.acquire(False):
             return False
         try:
-            sent = self._writer.try_send_frame(frame.data, frame.ctx.wire_fds())
+            sent = scm_rights.try_send_frame(sock, data, ctx.wire_fds())
         except OSError:  # no fds left, reader gone, ...: as the feeder would meet it
             return False
         finally:
-            if self._wlock is not None:
-                self._wlock.release()
+            if wlock is not None:
+                wlock.release()
         if sent:
-            frame.ctx.release()
+            ctx.release()
         return sent
 
     def put(self, obj, block: bool = True, timeout: float | None = None) -> None:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        frame = Frame(obj)
+        data, ctx = _reductions.dumps(obj)
         if not self._sem.acquire(block, timeout):
+            ctx.release()
             raise Full
         joinable = getattr(self, "_cond", None)
         if joinable is not None:  # counted first, as the stdlib does, but not held while sending
             with joinable:
                 self._unfinished_tasks.release()
         with self._notempty:
-            if self._send_now(frame):
+            if self._send_now(data, ctx):
                 return
             if self._thread is None:
                 self._start_thread()
             self._unsent[0] += 1
-            self._buffer.append(frame)
+            self._buffer.append(Frame(data, ctx))
             self._notempty.notify()
 
     def close(self) -> None:
@@ -114,7 +116,7 @@ class _ShmQueue:
             raise ValueError(f"Queue {self!r} is closed")
         if block and timeout is None:
             with self._rlock:
-                data, fds = self._reader.recv_frame()
+                data, fds = scm_rights.recv_frame(self._reader._sock)
             self._sem.release()
         else:
             if block:

@@ -71,7 +71,29 @@ class SendContext:
         self.keep = []
         self.fds = []
 
-    __del__ = release
+    def __del__(self) -> None:
+        if self.owned:  # never sent, nor released
+            self.release()
+
+
+class LaneContext(SendContext):
+    """The context of a message sent without a pickler (see ``_Pickler.lanes``): one data
+    fd, then one in-flight description of one lease slot, made when it is sent."""
+
+    __slots__ = ("table_id", "slot")
+
+    def __init__(self, keep, fd: int, table_id: str, slot: int) -> None:
+        self.keep = [keep]
+        self.fds = [fd, -1]
+        self.owned = []
+        self.table_id, self.slot = table_id, slot
+
+    def wire_fds(self) -> list[int]:
+        fds = self.fds
+        if fds[1] < 0:
+            fds[1] = ofd_lease.inflight_one(self.table_id, self.slot)
+            self.owned.append(fds[1])
+        return fds
 
 
 def _dt(dt: np.dtype):
@@ -295,14 +317,15 @@ def dumps(obj, by_value: bool = False) -> tuple[memoryview, SendContext]:
     names ``__main__`` (which a spawned child or a notebook may not be able to import) is
     pickled again with cloudpickle.  ``by_value`` goes to cloudpickle at once: for
     pickling with side effects that must not happen twice (a process being spawned)."""
+    if not by_value:
+        lane = _Pickler.lanes.get(type(obj))  # lanes exist only once refresh() found them
+        if lane is not None:
+            out = lane(obj)
+            if out is not None:
+                return out
     _Pickler.refresh()
     if by_value:
         return _dump(_CloudPickler, obj)
-    lane = _Pickler.lanes.get(type(obj))
-    if lane is not None:
-        out = lane(obj)
-        if out is not None:
-            return out
     try:
         data, ctx = _dump(_Pickler, obj)
     except (pickle.PicklingError, AttributeError, TypeError):

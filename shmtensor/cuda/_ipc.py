@@ -3,7 +3,7 @@
 Producer: an array's allocation base (``cuMemGetAddressRange``; CuPy's pool sub-allocates)
 is *exported* once: an IPC handle, a lease slot in this process's lease table, and
 references that keep the memory out of CuPy's pool while any process holds the slot.  Each
-send whose stream still has work queued records an interprocess event on it (the consumer's stream
+send records an interprocess event on its stream (the consumer's stream
 waits on it, the host does not) and carries an in-flight lock on the slot.
 
 Consumer: opens each handle once and keeps it open (up to ``MAPPED_IDLE_LIMIT`` idle ones,
@@ -142,8 +142,8 @@ def _use_of(m: _Mapping, lease_fd: int, deferred: list) -> _Use:
 
 def _order(cp, device: int) -> bytes | None:
     """Order the current stream's queued work before the receiver's use: the handle of a
-    ring event recorded on it, or None when the stream has nothing queued (or, with no
-    interprocess event to be had, after synchronizing it).  Once per message and stream."""
+    ring event recorded on it (or None after synchronizing the stream, when no interprocess
+    event is to be had).  Once per message and stream."""
     stream = cp.cuda.get_current_stream()
     memo = _reductions.message_memo()
     key = ("cuda-order", device, stream.ptr)
@@ -154,11 +154,9 @@ def _order(cp, device: int) -> bytes | None:
 
 
 def order_now(cp, device: int, stream) -> bytes | None:
-    """:func:`_order` for a message that carries one array (no memo needed)."""
-    return None if stream.done else _record_ring(cp, device, stream)
-
-
-def _record_ring(cp, device: int, stream) -> bytes | None:
+    """:func:`_order` for a message that carries one array (no memo needed).  The event is
+    recorded whether or not the stream has work queued: asking first (``stream.done``) costs
+    as much as recording, and a stream that just made the array it sends is rarely idle."""
     with _lock:
         ring = _rings.get(device)
         if ring is None:

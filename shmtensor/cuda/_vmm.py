@@ -177,20 +177,24 @@ def malloc(nbytes: int):
     cp = _ipc.cupy()
     device = cp.cuda.runtime.getDevice()
     stream = cp.cuda.get_current_stream().ptr
+    block = (max(MIN_BLOCK, 1 << (nbytes - 1).bit_length()) if 0 < nbytes <= SMALL_MAX
+             else None)
     with _lock:
-        _prepare(cp, device)
-        block = _block_size(device, nbytes)
+        if block is None:
+            _prepare(cp, device)
+            block = _block_size(device, nbytes)
         key = (device, stream, block)
         free = _free.get(key)
         if free:
             slab, i = free.pop()
             slab.live += 1
         else:
+            _prepare(cp, device)
             found = _reclaim(key)
             slab, i = found if found is not None else _new_slab(cp, device, block, key)
     b = _Block()
     b.slab, b.index, b.stream = slab, i, stream
-    mem = cp.cuda.UnownedMemory(slab.ptr + i * block, max(nbytes, 1), b, device)
+    mem = cp.cuda.UnownedMemory(slab.ptr + i * block, nbytes or 1, b, device)
     return cp.cuda.MemoryPointer(mem, 0)
 
 
@@ -297,9 +301,18 @@ def _use(s: _Mapped, table_id: str, slot: int, lease_fd: int, deferred: list | N
     return use, kept
 
 
+_dtypes: dict = {}  # dtype.str -> numpy dtype: CuPy takes a dtype faster than a string
+
+
 def _array(cp, s: _Mapped, use: "_VUse", offset, shape, strides, dtype):
+    dt = _dtypes.get(dtype)
+    if dt is None:
+        import numpy
+        dt = _dtypes[dtype] = numpy.dtype(dtype)
     mem = cp.cuda.UnownedMemory(s.ptr, s.size, use, s.device)
-    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
+    if strides is None:
+        return cp.ndarray(shape, dt, cp.cuda.MemoryPointer(mem, offset))
+    return cp.ndarray(shape, dt, cp.cuda.MemoryPointer(mem, offset), strides)
 
 
 def _rebuild_array(key, bus_id, size, fd_i, offset, shape, strides, dtype, table_id, slot,
@@ -333,13 +346,16 @@ LANE = b"\0V"
 
 
 def lane_dumps(arr):
-    """``arr`` alone as a message ``(payload, SendContext)``, or None when it is not on a
+    """``arr`` alone as a message ``(payload, LaneContext)``, or None when it is not on a
     slab, or not on the current device."""
-    mem = arr.data.mem
+    data = arr.data
+    mem = data.mem
     owner = getattr(mem, "_owner", None)
     kind = type(owner)
     if kind is _Block:
-        slab, table_id, slot = owner.slab, ofd_lease.own_table().id, _slot_of(owner)
+        slab = owner.slab
+        slot = slab.slots[owner.index] or _slot_of(owner)
+        table_id = ofd_lease.own_table().id
     elif kind is _VUse:
         slab, table_id, slot = owner.slab, owner.table_id, owner.slot
     else:
@@ -348,13 +364,15 @@ def lane_dumps(arr):
     if cuda_ipc.bad_fork() or cp.cuda.runtime.getDevice() != slab.device:
         return None  # the general path says what is wrong, or switches devices
     ev = _ipc.order_now(cp, slab.device, cp.cuda.get_current_stream())
-    ctx = _reductions.SendContext()
-    ctx.keep.append(mem)  # keeps the slab's fd open until sent (see reduce_array)
-    ctx.fds += (slab.fd, -1)
-    ctx.inflight[(table_id, slot % ofd_lease.SHARDS)] = (1, [slot])
-    fields = (slab.key, slab.bus_id, slab.size, arr.data.ptr - slab.ptr, arr.shape,
-              arr.strides, arr.dtype.str, table_id, slot, ev)
-    return LANE + pickle.dumps(fields, pickle.HIGHEST_PROTOCOL), ctx
+    # strides None: C-contiguous with no axis of length 1 (whose stride CuPy's flag
+    # ignores), so the receiver's ndarray may compute them, which is faster than checking
+    shape = arr.shape
+    strides = None if arr._c_contiguous and 1 not in shape else arr.strides
+    fields = (slab.key, slab.bus_id, slab.size, data.ptr - slab.ptr, shape, strides,
+              arr.dtype.str, table_id, slot, ev)
+    # the array's memory, kept until sent, keeps the slab's fd open (see reduce_array)
+    return (LANE + pickle.dumps(fields, pickle.HIGHEST_PROTOCOL),
+            _reductions.LaneContext(mem, slab.fd, table_id, slot))
 
 
 def lane_loads(data, fds: list[int]):
@@ -374,7 +392,8 @@ def lane_loads(data, fds: list[int]):
                 if kept:
                     fds[1] = -1  # the message's description is the hold now
             finally:
-                _unpin(s)  # the use counts as a user now
+                if type(s) is _SlabMap:
+                    s.users -= 1  # unpinned: the use counts as a user now
         if cp.cuda.runtime.getDevice() == s.device:
             if event_handle is not None:
                 _ipc.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
