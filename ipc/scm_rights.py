@@ -38,6 +38,7 @@ _Q = struct.Struct("!Q")
 _QI = struct.Struct("!QI")
 _ANC_SIZE = socket.CMSG_SPACE(MAX_FDS * 4) if HAVE_SCM_RIGHTS else 0
 _INLINE = 1 << 16
+_UNPACK_FDS: dict = {}  # fd count -> struct unpack of that many C ints
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)
 _DONTWAIT = int(socket.MSG_DONTWAIT)
 _SOL_SOCKET, _SCM_RIGHTS = int(socket.SOL_SOCKET), int(getattr(socket, "SCM_RIGHTS", 1))
@@ -141,8 +142,11 @@ def recv_frame(sock: socket.socket) -> tuple[bytes, list[int]]:
         level, kind, payload = ancdata[0]
         if code < -2 and level == _SOL_SOCKET and kind == _SCM_RIGHTS:
             n, nfds = divmod(-3 - code, 256)
-            fds = list(memoryview(payload)[:len(payload) // 4 * 4].cast("i"))
-            if len(fds) == nfds:
+            if len(payload) == 4 * nfds:
+                unpack = _UNPACK_FDS.get(nfds)
+                if unpack is None:
+                    unpack = _UNPACK_FDS[nfds] = struct.Struct(f"{nfds}i").unpack
+                fds = list(unpack(payload))
                 try:
                     return _recv_payload(sock, n), fds
                 except BaseException:

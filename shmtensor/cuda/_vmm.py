@@ -11,10 +11,10 @@ when freed here and is reused only once no process holds its slot.
 
 Consumer: maps each slab once (``_maps``, keyed by the producer's table and the slab's
 serial) and keeps its fd (the driver will not re-export an imported handle, so forwarding
-sends that fd on).  Arrays on one block share a ``_VUse`` that holds the block's lease; the
-last one's death releases it after this process's work on the device is done.  Idle
-mappings are unmapped past ``MAPPED_IDLE_LIMIT`` (or ``MAPPED_IDLE_BYTES``) and by
-:func:`collect`.
+sends that fd on).  Each received array (with its views) owns a ``_VUse`` that holds its
+block's lease once more (holds are counted); its death lets go of that hold after this
+process's work on the device is done.  Idle mappings are unmapped past
+``MAPPED_IDLE_LIMIT`` (or ``MAPPED_IDLE_BYTES``) and by :func:`collect`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ _slabs: dict[str, "_Slab"] = {}                      # own slabs by key
 _free: dict[tuple, list] = {}                        # (device, stream, block) -> [(slab, i)]
 _held: dict[tuple, deque] = {}                       # same keys: freed here, held elsewhere
 _maps: "OrderedDict[str, _SlabMap]" = OrderedDict()  # other processes' slabs, LRU
-_uses: "dict[tuple, _ipc.UseRef]" = {}              # (table, slot) -> its use (dead: swept)
 _granularity: dict[int, int] = {}
 _bus_ids: dict[int, str] = {}
 
@@ -78,9 +77,18 @@ class _Block:
 
 
 class _VUse:
-    """Owner of the arrays built on one received block: holds the block's lease."""
+    """Owner of a received array on a block (and of its views): holds the block's lease
+    once, and its death releases that hold once this process's work on the device is done (a
+    ``__del__``, lighter than a weak reference with a callback on a path taken once per
+    message; it takes no module lock, as it may run inside any locked section)."""
 
-    __slots__ = ("slab", "table_id", "slot", "__weakref__")
+    __slots__ = ("slab", "table_id", "slot", "done")
+
+    def __del__(self) -> None:
+        try:
+            _ipc._release(self.slab.device, self.table_id, self.slot, self.done)
+        except Exception:  # interpreter shutdown: dying releases anyway
+            pass
 
 
 SHARED_OWNERS = (_Block, _VUse)
@@ -276,32 +284,28 @@ def _unpin(s: _Mapped) -> None:
 
 def _use(s: _Mapped, table_id: str, slot: int, lease_fd: int, deferred: list | None
          ) -> tuple["_VUse", bool]:
-    """The owner of this process's arrays on block ``slot`` of slab ``s``, made if none
-    lives (caller holds ``_lock``), and whether ``lease_fd`` was kept as the block's hold.
-    A new use holds the block: ``ofd_lease.hold`` with ``deferred``, or, when ``deferred``
-    is None (a loaded one-array message), ``ofd_lease.hold_sole``."""
-    k = (table_id, slot)
-    ref = _uses.get(k)
-    use = ref() if ref is not None else None
-    kept = False
-    if use is None:
-        if deferred is None:
-            kept = ofd_lease.hold_sole(table_id, slot, lease_fd)
-        else:
-            ofd_lease.hold(table_id, slot, lease_fd, deferred)
-        use = _VUse()
-        use.slab, use.table_id, use.slot = s, table_id, slot
-        done = None
-        if type(s) is _SlabMap:
-            s.users += 1
-            done = s.done
-        _uses[k] = _ipc.use_ref(use, (s.device, table_id, slot, done))
-        if len(_uses) >= _sweep_at[0]:
-            _sweep_uses()
+    """A new owner of arrays on block ``slot`` of slab ``s`` (caller holds ``_lock``), and
+    whether ``lease_fd`` was kept as the block's hold.  It holds the block once more:
+    ``ofd_lease.hold`` with ``deferred``, or, when ``deferred`` is None (a loaded one-array
+    message), ``ofd_lease.hold_sole``.  Holds are counted, so two messages carrying one
+    block give two uses and each lets go on its own."""
+    if deferred is None:
+        kept = ofd_lease.hold_sole(table_id, slot, lease_fd)
+    else:
+        ofd_lease.hold(table_id, slot, lease_fd, deferred)
+        kept = False
+    use = _VUse()
+    use.slab, use.table_id, use.slot = s, table_id, slot
+    if type(s) is _SlabMap:
+        s.users += 1
+        use.done = s.done
+    else:
+        use.done = None
     return use, kept
 
 
-_dtypes: dict = {}  # dtype.str -> numpy dtype: CuPy takes a dtype faster than a string
+_dtypes: dict = {}      # dtype.str -> numpy dtype: CuPy takes a dtype faster than a string
+_dtype_strs: dict = {}  # and back: numpy makes a new string for each .str
 
 
 def _array(cp, s: _Mapped, use: "_VUse", offset, shape, strides, dtype):
@@ -368,8 +372,12 @@ def lane_dumps(arr):
     # ignores), so the receiver's ndarray may compute them, which is faster than checking
     shape = arr.shape
     strides = None if arr._c_contiguous and 1 not in shape else arr.strides
-    fields = (slab.key, slab.bus_id, slab.size, data.ptr - slab.ptr, shape, strides,
-              arr.dtype.str, table_id, slot, ev)
+    dtype = arr.dtype
+    dts = _dtype_strs.get(dtype)
+    if dts is None:
+        dts = _dtype_strs[dtype] = dtype.str
+    fields = (slab.key, slab.bus_id, slab.size, data.ptr - slab.ptr, shape, strides, dts,
+              table_id, slot, ev)
     # the array's memory, kept until sent, keeps the slab's fd open (see reduce_array)
     return (LANE + pickle.dumps(fields, pickle.HIGHEST_PROTOCOL),
             _reductions.LaneContext(mem, slab.fd, table_id, slot))
@@ -404,17 +412,6 @@ def lane_loads(data, fds: list[int]):
             return _array(cp, s, use, offset, shape, strides, dtype)
     finally:
         scm_rights.close_fds(fds)
-
-
-_sweep_at = [1024]
-
-
-def _sweep_uses() -> None:
-    """Drop the dead refs from ``_uses`` (it has doubled since the last sweep; caller holds
-    ``_lock``): a use's death takes no lock (see ``_ipc.UseRef``), so it leaves its ref."""
-    for k in [k for k, r in _uses.items() if r() is None]:
-        del _uses[k]
-    _sweep_at[0] = max(1024, 2 * len(_uses))
 
 
 def _map_released(m: _SlabMap) -> None:
