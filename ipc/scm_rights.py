@@ -81,9 +81,13 @@ def try_send_frame(sock: socket.socket, data, fds=()) -> bool:
     n = len(data)
     if len(fds) > MAX_FDS or n + _WITH_FDS.size > ATOMIC_MAX:
         return False
-    header = _SMALL.pack(-3 - (n << 8 | len(fds))) if fds else _SMALL.pack(n)
+    if fds:
+        header = _SMALL.pack(-3 - (n << 8 | len(fds)))
+        anc = [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))]
+    else:
+        header, anc = _SMALL.pack(n), []
     try:
-        sent = sock.sendmsg([header, data], _anc(fds), _DONTWAIT)
+        sent = sock.sendmsg([header, data], anc, _DONTWAIT)
     except BlockingIOError:
         return False
     _finish(sock, header, data, sent)  # not expected: a frame this small goes whole
@@ -148,6 +152,11 @@ def recv_frame(sock: socket.socket) -> tuple[bytes, list[int]]:
                     unpack = _UNPACK_FDS[nfds] = struct.Struct(f"{nfds}i").unpack
                 fds = list(unpack(payload))
                 try:
+                    if 0 < n <= _INLINE:
+                        data = sock.recv(n)
+                        if len(data) == n:
+                            return data, fds
+                        return _recv_payload(sock, n, data), fds
                     return _recv_payload(sock, n), fds
                 except BaseException:
                     close_fds(fds)
@@ -195,11 +204,12 @@ def _finish_frame(sock, head: bytes, ancdata, flags) -> tuple[bytes, list[int]]:
     return buf, fds
 
 
-def _recv_payload(sock: socket.socket, n: int):
+def _recv_payload(sock: socket.socket, n: int, data: bytes | None = None):
     """``n`` bytes: one ``recv`` when they are there (a small frame is), else read into a
-    buffer of that size."""
+    buffer of that size; ``data``: what a first ``recv(n)`` already gave."""
     if n <= _INLINE:
-        data = sock.recv(n) if n else b""
+        if data is None:
+            data = sock.recv(n) if n else b""
         if len(data) == n:
             return data
         if not data:

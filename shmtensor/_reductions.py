@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copyreg
 import io
+import os
 import pickle
 import sys
 import threading
@@ -94,6 +95,17 @@ class LaneContext(SendContext):
             fds[1] = ofd_lease.inflight_one(self.table_id, self.slot)
             self.owned.append(fds[1])
         return fds
+
+    def release(self) -> None:
+        owned = self.owned
+        if owned:
+            self.owned = []
+            try:
+                os.close(owned[0])
+            except OSError:
+                pass
+        self.keep = []
+        self.fds = []
 
 
 def _dt(dt: np.dtype):
@@ -368,6 +380,8 @@ def loads(data, fds: list[int]):
     if not fds:
         return pickle.loads(data)
     if data and data[0] == 0:  # a lane: pickle data starts with PROTO (0x80)
+        if _vmm is not None and len(data) > 1 and data[1] == 86:  # b"V": _vmm.LANE
+            return _vmm.lane_loads(data, fds)
         return _lane_loads(data, fds)
     ctx = _RecvContext(fds)
     prev = getattr(_local, "recv", None)
