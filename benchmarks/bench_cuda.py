@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "tests"))  # the CUDA test helpers are the relay's stages
 
 N, N0, SIZE = 10_000, 1_000, 5
-REPEATS = 5
+REPEATS = 7
 
 
 def _relay(ctx, targets, count: int) -> dict:
