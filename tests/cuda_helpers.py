@@ -1,7 +1,5 @@
 """Process targets for the CUDA tests (spawned children import this)."""
 
-import os
-import signal
 import time
 
 import numpy as np
@@ -84,6 +82,22 @@ def report_sums(queue, out, event):
     whole, view = queue.get()
     out.put((float(alone.sum()), float(whole.sum()), float(view.sum())))
     event.wait(60)  # holding all three until told
+
+
+def receive_twice_release_in_turn(queue, out, step, done):
+    """Hold two receipts of one block, then let go of them one at a time."""
+    import shmtensor.cuda
+    first, second = queue.get(), queue.get()
+    out.put(float(first.sum()) + float(second.sum()))
+    for event, name in ((step, "first"), (done, "second")):
+        event.wait(60)
+        if name == "first":
+            del first
+        else:
+            del second
+        shmtensor.cuda.ipc_collect()  # drains the release now
+        out.put(name)
+    done.wait(60)
 
 
 def hold_until_killed(queue, out):

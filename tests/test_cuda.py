@@ -363,6 +363,33 @@ def test_vmm_one_array_alone_or_in_a_container_crosses_alike(cp, ctx, lc):
     del a
 
 
+def test_vmm_two_receipts_of_one_block_are_two_holds(cp, ctx, lc):
+    # Each received array owns one counted hold on its block: a consumer that received the
+    # same block twice keeps it held until it has let go of both.
+    from ipc import ofd_lease
+    a = shmtensor.cuda.full((1000,), 2, dtype=cp.float32)
+    block = a.data.mem._owner
+    q, out, step, done = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    p = ctx.Process(target=ch.receive_twice_release_in_turn, args=(q, out, step, done))
+    p.start()
+    q.put(a)
+    q.put(a)
+    assert out.get(timeout=JOIN) == 4000.0
+    slot = block.slab.slots[block.index]
+    del a, block
+    table = ofd_lease.own_table()
+    step.set()
+    assert out.get(timeout=JOIN) == "first"
+    assert table.is_held(slot)  # the second receipt still holds it
+    done.set()
+    assert out.get(timeout=JOIN) == "second"
+    deadline = time.monotonic() + 10
+    while table.is_held(slot) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not table.is_held(slot)
+    join_all(p)
+
+
 def test_vmm_a_mapping_is_pinned_while_a_message_is_built_on_it(cp, ctx, lc, monkeypatch):
     from ipc import ofd_lease
     from shmtensor.cuda import _vmm

@@ -113,3 +113,24 @@ def test_a_message_of_an_unknown_kind_is_refused_and_its_fds_closed():
     with pytest.raises(pickle.UnpicklingError, match="another shmtensor version"):
         _reductions.loads(b"\0Z" + pickle.dumps(1), fds)
     assert not [fd for fd in fds if os.path.exists(f"/proc/self/fd/{fd}")]
+
+
+def test_a_small_frame_with_fds_that_arrives_in_pieces():
+    # A sender whose socket buffer is smaller than the frame sends it in several pieces;
+    # the receiver's first read of the payload gets only part of it.
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    fds = _files(2)
+    payload = bytes(range(256)) * 240  # 61,440 bytes: under the one-read limit
+    try:
+        th = _send_in_thread(a, [(payload, fds)])
+        got, got_fds = scm_rights.recv_frame(b)
+        th.join(10)
+        assert got == payload
+        assert len(got_fds) == 2 and all(_same_file(x, y) for x, y in zip(got_fds, fds))
+        scm_rights.close_fds(got_fds)
+    finally:
+        scm_rights.close_fds(fds)
+        a.close()
+        b.close()
