@@ -44,9 +44,10 @@ import threading
 from .posix_shm import PREFIX, process_tag
 from .scm_rights import close_fds
 
-__all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "hold_sole", "establish",
-           "release", "inflight_fd", "inflight_one", "kept_budget", "probe_held", "forget_idle", "own_fds",
-           "table_count", "before_fork", "after_fork_in_parent", "after_fork_in_child"]
+__all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "hold_sole",
+           "establish", "release", "inflight_fd", "inflight_one", "kept_budget", "probe_held",
+           "forget_idle", "own_fds", "table_count", "before_fork", "after_fork_in_parent",
+           "after_fork_in_child"]
 
 HAVE_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")
 _SETLK = getattr(fcntl, "F_OFD_SETLK", 37)

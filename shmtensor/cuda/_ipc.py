@@ -3,14 +3,15 @@
 Producer: an array's allocation base (``cuMemGetAddressRange``; CuPy's pool sub-allocates)
 is *exported* once: an IPC handle, a lease slot in this process's lease table, and
 references that keep the memory out of CuPy's pool while any process holds the slot.  Each
-send records an interprocess event on its stream (the consumer's stream
-waits on it, the host does not) and carries an in-flight lock on the slot.
+send records an interprocess event on its stream (the consumer's stream waits on it, the
+host does not) and carries an in-flight lock on the slot.
 
 Consumer: opens each handle once and keeps it open (up to ``MAPPED_IDLE_LIMIT`` idle ones,
 least recently used closed first), holds the slot while any array built on it lives, and
-on the last one's death waits for its own work on the device and releases the slot.  Consumers that die release by dying (OFD locks).  A received array
-forwarded to a third process re-sends the original handle and slot, so the producer keeps
-the memory until the third process lets go too.  The producer drops released exports in
+on the last one's death waits for its own work on the device and releases the slot.
+Consumers that die release by dying (OFD locks).  A received array forwarded to a third
+process re-sends the original handle and slot, so the producer keeps the memory until the
+third process lets go too.  The producer drops released exports in
 :func:`ipc_collect`, which also runs on every new export.
 """
 
