@@ -416,8 +416,8 @@ def lane_loads(data, fds: list[int]):
                 done = None
             if kept:
                 fds[1] = -1  # the message's description is the hold now
-        use = _VUse()
-        use.slab, use.table_id, use.slot, use.done = s, table_id, slot, done
+            use = _VUse()  # owns the hold (and the pin) from here on
+            use.slab, use.table_id, use.slot, use.done = s, table_id, slot, done
         dt = _dtypes.get(dtype)
         if dt is None:
             dt = _dtypes[dtype] = _numpy_dtype(dtype)
