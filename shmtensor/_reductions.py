@@ -78,22 +78,23 @@ class SendContext:
 
 
 class LaneContext(SendContext):
-    """The context of a message sent without a pickler (see ``_Pickler.lanes``): one data
-    fd, then one in-flight description of one lease slot, made when it is sent."""
+    """The context of a message sent without a pickler (see ``_Pickler.lanes``): the data
+    fd, if any (``fd`` None: none), then one in-flight description of one lease slot,
+    made when the message is sent.  ``keep`` keeps the data fd open until then."""
 
     __slots__ = ("table_id", "slot")
 
-    def __init__(self, keep, fd: int, table_id: str, slot: int) -> None:
+    def __init__(self, keep, fd: int | None, table_id: str, slot: int) -> None:
         self.keep = [keep]
-        self.fds = [fd, -1]
+        self.fds = [-1] if fd is None else [fd, -1]
         self.owned = []
         self.table_id, self.slot = table_id, slot
 
     def wire_fds(self) -> list[int]:
         fds = self.fds
-        if fds[1] < 0:
-            fds[1] = ofd_lease.inflight_one(self.table_id, self.slot)
-            self.owned.append(fds[1])
+        if fds[-1] < 0:
+            fds[-1] = ofd_lease.inflight_one(self.table_id, self.slot)
+            self.owned.append(fds[-1])
         return fds
 
     def release(self) -> None:
@@ -151,6 +152,56 @@ def _reduce_root(a: np.ndarray):
 
 def _reduce_on(a: np.ndarray, seg: Segment, readonly: bool):
     return _rebuild_array, (seg, _ptr(a) - seg.address, a.shape, a.strides, _dt(a.dtype), readonly)
+
+
+# A message that is one shared array (its memory a segment that can travel) goes without a
+# pickler: NUMPY_LANE and a plain pickle of the segment's and the view's fields, and its
+# fds (the segment's memfd, if it is one, then the in-flight description of its lease,
+# which the receiver keeps as its hold).  Anything else takes the pickler.
+NUMPY_LANE = b"\0N"
+
+
+def _numpy_lane_dumps(a: np.ndarray):
+    """``a`` alone as a message ``(payload, LaneContext)``, or None when it is not shared."""
+    seg = _segments.segment_of(a)
+    if seg is None or (seg.kind == FD and seg.fd is None) or a.dtype.hasobject:
+        return None
+    anchor = seg.anchor()  # kept until sent: keeps the segment (and its memfd) here
+    fields = (seg.key, seg.kind, seg.size, seg.table_id, seg.slot, _ptr(a) - seg.address,
+              a.shape, a.strides, _dt(a.dtype), not a.flags.writeable)
+    _stats.bump("arrays_sent_shared")
+    return (NUMPY_LANE + pickle.dumps(fields, pickle.HIGHEST_PROTOCOL),
+            LaneContext(anchor, seg.fd if seg.kind == FD else None, seg.table_id, seg.slot))
+
+
+def _numpy_lane_loads(data, fds: list[int]):
+    """The array of a :func:`_numpy_lane_dumps` message; closes every fd it does not keep.
+    Its hold is made as in :func:`loads`: deferred while loading, then the message's
+    in-flight description is kept as the hold (it covers this one slot)."""
+    deferred: list = []
+    loaded = False
+    try:
+        (key, kind, size, table_id, slot, offset, shape, strides, dtype,
+         readonly) = pickle.loads(memoryview(data)[len(NUMPY_LANE):])
+        if len(fds) != (2 if kind == FD else 1):
+            raise pickle.UnpicklingError(f"a shared array came with {len(fds)} fds")
+        anchor, took = _segments.receive(key, kind, size, table_id, slot,
+                                         fds[0] if kind == FD else None, fds[-1], deferred)
+        if took:
+            fds[0] = -1
+        a = np.ndarray(shape, np.dtype(dtype), buffer=anchor, offset=offset, strides=strides)
+        if readonly:
+            a.flags.writeable = False
+        _stats.bump("arrays_received")
+        loaded = True
+        return a
+    finally:
+        try:
+            for table_id, slot, fd in deferred:
+                if ofd_lease.establish(table_id, slot, fd, loaded):
+                    fds[-1] = -1  # kept: the message's description is the hold now
+        finally:
+            scm_rights.close_fds(fds)
 
 
 def _send_context() -> SendContext:
@@ -272,8 +323,11 @@ def _cupy_reducers() -> dict:
 
 
 def _lanes() -> dict:
+    lanes = {np.ndarray: _numpy_lane_dumps}
     vmm, cp = sys.modules.get("shmtensor.cuda._vmm"), sys.modules.get("cupy")
-    return {} if vmm is None or cp is None else {cp.ndarray: vmm.lane_dumps}
+    if vmm is not None and cp is not None:
+        lanes[cp.ndarray] = vmm.lane_dumps
+    return lanes
 
 
 class _Pickler(pickle.Pickler):
@@ -329,15 +383,18 @@ def dumps(obj, by_value: bool = False) -> tuple[memoryview, SendContext]:
     names ``__main__`` (which a spawned child or a notebook may not be able to import) is
     pickled again with cloudpickle.  ``by_value`` goes to cloudpickle at once: for
     pickling with side effects that must not happen twice (a process being spawned)."""
-    if not by_value:
-        lane = _Pickler.lanes.get(type(obj))  # lanes exist only once refresh() found them
-        if lane is not None:
-            out = lane(obj)
-            if out is not None:
-                return out
-    _Pickler.refresh()
     if by_value:
+        _Pickler.refresh()
         return _dump(_CloudPickler, obj)
+    lane = _Pickler.lanes.get(type(obj))
+    if lane is None:  # none, or not yet: refresh() finds the lanes (CuPy's once imported)
+        _Pickler.refresh()
+        lane = _Pickler.lanes.get(type(obj))
+    if lane is not None:
+        out = lane(obj)
+        if out is not None:
+            return out
+        _Pickler.refresh()
     try:
         data, ctx = _dump(_Pickler, obj)
     except (pickle.PicklingError, AttributeError, TypeError):
@@ -380,7 +437,10 @@ def loads(data, fds: list[int]):
     if not fds:
         return pickle.loads(data)
     if data and data[0] == 0:  # a lane: pickle data starts with PROTO (0x80)
-        if _vmm is not None and len(data) > 1 and data[1] == 86:  # b"V": _vmm.LANE
+        kind = data[1] if len(data) > 1 else -1
+        if kind == 78:  # b"N": NUMPY_LANE
+            return _numpy_lane_loads(data, fds)
+        if kind == 86 and _vmm is not None:  # b"V": _vmm.LANE
             return _vmm.lane_loads(data, fds)
         return _lane_loads(data, fds)
     ctx = _RecvContext(fds)

@@ -224,3 +224,24 @@ def test_channel_survives_dropped_fds():
     assert b.recv().base is x.base
     a.close()
     b.close()
+
+
+def test_one_shared_array_alone_skips_the_pickler_and_crosses_as_in_a_container(strategy):
+    a = shmtensor.zeros((20, 30))
+    a[...] = np.arange(600.0).reshape(20, 30)
+    view = a[2::3, ::-2]
+    data, sent = _reductions.dumps(view)  # alone: the lane, no pickler
+    assert bytes(data[:len(_reductions.NUMPY_LANE)]) == _reductions.NUMPY_LANE
+    sent.release()
+    data, sent = _reductions.dumps([view])  # in a container: the pickler
+    assert bytes(data[:1]) == pickle.PROTO
+    sent.release()
+    ro = a[1]
+    ro.flags.writeable = False
+    alone, (inside,), got_ro = roundtrip(view), roundtrip([view]), roundtrip(ro)
+    for b in (alone, inside):
+        assert b.strides == view.strides and shmtensor.is_shared(b)
+        np.testing.assert_array_equal(b, view)
+    assert not got_ro.flags.writeable and got_ro[3] == 33.0
+    alone[0, 0] = -1.0  # the same memory as the sender's
+    assert a[2, 29] == -1.0 and inside[0, 0] == -1.0

@@ -252,3 +252,43 @@ def test_terminate_after_idle_workers_were_killed(lc):
     pool.terminate()
     pool.join()
     assert time.monotonic() - t < 30
+
+
+def test_a_lost_worker_fails_a_map_while_its_results_arrive():
+    # The watcher fails a pending map while the result handler may be inside its _set,
+    # between decrementing the chunks left and testing for 0: failing it through _set
+    # (setting the count to 1 first) could leave the call never completed (seen as a
+    # hang of a random SIGKILL test).  The failure must not go through _set, and a result
+    # that arrives afterwards must leave the call failed.
+    from multiprocessing import pool as mpp
+    from shmtensor.multiprocessing import _pool
+
+    class Notifier:
+        told = 0
+
+        def put(self, _):
+            Notifier.told += 1
+
+    class FakePool:
+        _cache = mpp._PoolCache(notifier=Notifier())
+
+    job = mpp.MapResult(FakePool(), chunksize=1, length=4, callback=None,
+                        error_callback=None)
+    job._set(0, (True, [10]))
+    job._number_left -= 1  # the handler, delivering chunk 1, has decremented; it tests next
+
+    def no_set(*args):
+        raise AssertionError("failed through _set")
+
+    job._set = no_set
+    err = smp.WorkerLostError("pool worker pid 1 died")
+    _pool._fail(job, err)
+    assert job.ready() and not job.successful()
+    assert job._job not in FakePool._cache and Notifier.told == 1  # the pool hears of it
+    with pytest.raises(smp.WorkerLostError):
+        job.get(0)
+    del job._set  # the handler goes on: chunk 1 arrives, then chunk 2
+    job._set(1, (True, [11]))
+    job._set(2, (True, [12]))
+    with pytest.raises(smp.WorkerLostError):
+        job.get(0)

@@ -46,16 +46,25 @@ def _describe(code: int) -> str:
 
 
 def _fail(job, err: BaseException) -> None:
+    """Complete a pending call with ``err`` (in the watcher thread, while the result handler
+    may be delivering a result to the same call)."""
     ready = getattr(job, "ready", None)
     if ready is not None and ready():
         return  # finished just before the crash was seen: keep its result
     try:
-        if isinstance(job, _mpp.IMapIterator):
+        if isinstance(job, _mpp.IMapIterator):  # its _set takes the iterator's lock
             job._set(job._index, (False, err))
             job._set_length(job._index)
         elif isinstance(job, _mpp.MapResult):
-            job._number_left = 1
-            job._set(0, (False, err))
+            # Not through _set: the result handler may be inside job._set, between its
+            # decrement of _number_left and its test for 0, and setting the count under it
+            # could leave the call never completed.  A result arriving now decrements a
+            # count that cannot reach 0 again and finds the call failed.
+            job._number_left = -(1 << 62)
+            job._success = False
+            job._value = err
+            job._event.set()
+            del job._cache[job._job]  # as _set does: an emptied cache tells the pool
         else:
             job._set(0, (False, err))
     except KeyError:  # the result handler completed it meanwhile
