@@ -45,7 +45,7 @@ from .posix_shm import PREFIX, process_tag
 from .scm_rights import close_fds
 
 __all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "hold_sole",
-           "establish", "release", "inflight_fd", "inflight_one", "kept_budget", "probe_held",
+           "establish", "release", "inflight_fd", "kept_budget", "probe_held",
            "forget_idle", "own_fds", "table_count", "before_fork", "after_fork_in_parent",
            "after_fork_in_child"]
 
@@ -320,20 +320,6 @@ def inflight_fd(table_id: str, slots) -> int:
     own = _own
     source = own.fds[k] if own is not None and own.id == table_id else _holdings[table_id].fds[k]
     return _locked_copy(source, slots)
-
-
-def inflight_one(table_id: str, slot: int) -> int:
-    """:func:`inflight_fd` for one slot (a one-array message)."""
-    own = _own
-    k = slot % SHARDS
-    source = own.fds[k] if own is not None and own.id == table_id else _holdings[table_id].fds[k]
-    fd = _reopen(source)
-    try:
-        fcntl.fcntl(fd, _SETLK, _FLOCK.pack(fcntl.F_RDLCK, 0, slot, 1, 0))
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def _locked_copy(source: int, slots) -> int:

@@ -81,13 +81,9 @@ def try_send_frame(sock: socket.socket, data, fds=()) -> bool:
     n = len(data)
     if len(fds) > MAX_FDS or n + _WITH_FDS.size > ATOMIC_MAX:
         return False
-    if fds:
-        header = _SMALL.pack(-3 - (n << 8 | len(fds)))
-        anc = [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))]
-    else:
-        header, anc = _SMALL.pack(n), []
+    header = _header(n, fds)
     try:
-        sent = sock.sendmsg([header, data], anc, _DONTWAIT)
+        sent = sock.sendmsg([header, data], _anc(fds), _DONTWAIT)
     except BlockingIOError:
         return False
     _finish(sock, header, data, sent)  # not expected: a frame this small goes whole
@@ -115,11 +111,20 @@ def _sendall_msg(sock, buf, fds):
         sock.sendall(buf[sent:])
 
 
+def _unpack_fds(payload: bytes) -> tuple[int, ...]:
+    """The fds of one SCM_RIGHTS control message (whole C ints only)."""
+    n = len(payload) // 4
+    unpack = _UNPACK_FDS.get(n)
+    if unpack is None:
+        unpack = _UNPACK_FDS[n] = struct.Struct(f"{n}i").unpack
+    return unpack(payload[:4 * n])
+
+
 def _collect(ancdata, flags, fds: list) -> bool:
     """Add the fds of ``ancdata`` to ``fds``; False when some were dropped (MSG_CTRUNC)."""
     for level, kind, payload in ancdata:
         if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
-            fds.extend(memoryview(payload)[:len(payload) // 4 * 4].cast("i"))
+            fds.extend(_unpack_fds(payload))
     return not flags & _MSG_CTRUNC
 
 
@@ -147,16 +152,8 @@ def recv_frame(sock: socket.socket) -> tuple[bytes, list[int]]:
         if code < -2 and level == _SOL_SOCKET and kind == _SCM_RIGHTS:
             n, nfds = divmod(-3 - code, 256)
             if len(payload) == 4 * nfds:
-                unpack = _UNPACK_FDS.get(nfds)
-                if unpack is None:
-                    unpack = _UNPACK_FDS[nfds] = struct.Struct(f"{nfds}i").unpack
-                fds = list(unpack(payload))
+                fds = list(_unpack_fds(payload))
                 try:
-                    if 0 < n <= _INLINE:
-                        data = sock.recv(n)
-                        if len(data) == n:
-                            return data, fds
-                        return _recv_payload(sock, n, data), fds
                     return _recv_payload(sock, n), fds
                 except BaseException:
                     close_fds(fds)
@@ -204,12 +201,11 @@ def _finish_frame(sock, head: bytes, ancdata, flags) -> tuple[bytes, list[int]]:
     return buf, fds
 
 
-def _recv_payload(sock: socket.socket, n: int, data: bytes | None = None):
+def _recv_payload(sock: socket.socket, n: int):
     """``n`` bytes: one ``recv`` when they are there (a small frame is), else read into a
-    buffer of that size; ``data``: what a first ``recv(n)`` already gave."""
+    buffer of that size."""
     if n <= _INLINE:
-        if data is None:
-            data = sock.recv(n) if n else b""
+        data = sock.recv(n) if n else b""
         if len(data) == n:
             return data
         if not data:

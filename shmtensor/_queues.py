@@ -116,7 +116,7 @@ class _ShmQueue:
             raise ValueError(f"Queue {self!r} is closed")
         if block and timeout is None:
             with self._rlock:
-                data, fds = scm_rights.recv_frame(self._reader._sock)
+                data, fds = self._reader.recv_frame()
             self._sem.release()
         else:
             if block:

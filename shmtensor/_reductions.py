@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copyreg
 import io
-import os
 import pickle
 import sys
 import threading
@@ -93,20 +92,9 @@ class LaneContext(SendContext):
     def wire_fds(self) -> list[int]:
         fds = self.fds
         if fds[-1] < 0:
-            fds[-1] = ofd_lease.inflight_one(self.table_id, self.slot)
+            fds[-1] = ofd_lease.inflight_fd(self.table_id, (self.slot,))
             self.owned.append(fds[-1])
         return fds
-
-    def release(self) -> None:
-        owned = self.owned
-        if owned:
-            self.owned = []
-            try:
-                os.close(owned[0])
-            except OSError:
-                pass
-        self.keep = []
-        self.fds = []
 
 
 def _dt(dt: np.dtype):
@@ -176,30 +164,27 @@ def _numpy_lane_dumps(a: np.ndarray):
 
 def _numpy_lane_loads(data, fds: list[int]):
     """The array of a :func:`_numpy_lane_dumps` message; closes every fd it does not keep.
-    Its hold is made as in :func:`loads`: deferred while loading, then the message's
-    in-flight description is kept as the hold (it covers this one slot)."""
-    deferred: list = []
+    Its hold is made as :func:`loads` makes one: deferred while loading, then established
+    (keeping the message's description, which covers this one slot)."""
+    ctx = _RecvContext(fds)
     loaded = False
     try:
         (key, kind, size, table_id, slot, offset, shape, strides, dtype,
          readonly) = pickle.loads(memoryview(data)[len(NUMPY_LANE):])
         if len(fds) != (2 if kind == FD else 1):
             raise pickle.UnpicklingError(f"a shared array came with {len(fds)} fds")
+        ctx.claims[len(fds) - 1] = {(table_id, slot)}
         anchor, took = _segments.receive(key, kind, size, table_id, slot,
-                                         fds[0] if kind == FD else None, fds[-1], deferred)
+                                         fds[0] if kind == FD else None, fds[-1], ctx.deferred)
         if took:
             fds[0] = -1
-        a = np.ndarray(shape, np.dtype(dtype), buffer=anchor, offset=offset, strides=strides)
-        if readonly:
-            a.flags.writeable = False
-        _stats.bump("arrays_received")
+        a = _rebuild_array(anchor, offset, shape, strides, dtype, readonly)
         loaded = True
         return a
     finally:
         try:
-            for table_id, slot, fd in deferred:
-                if ofd_lease.establish(table_id, slot, fd, loaded):
-                    fds[-1] = -1  # kept: the message's description is the hold now
+            if ctx.deferred:
+                ctx.establish(loaded)
         finally:
             scm_rights.close_fds(fds)
 
@@ -437,11 +422,6 @@ def loads(data, fds: list[int]):
     if not fds:
         return pickle.loads(data)
     if data and data[0] == 0:  # a lane: pickle data starts with PROTO (0x80)
-        kind = data[1] if len(data) > 1 else -1
-        if kind == 78:  # b"N": NUMPY_LANE
-            return _numpy_lane_loads(data, fds)
-        if kind == 86 and _vmm is not None:  # b"V": _vmm.LANE
-            return _vmm.lane_loads(data, fds)
         return _lane_loads(data, fds)
     ctx = _RecvContext(fds)
     prev = getattr(_local, "recv", None)
@@ -466,15 +446,18 @@ _vmm = None  # shmtensor.cuda._vmm, imported by the first message that needs it
 
 
 def _lane_loads(data, fds: list[int]):
-    """A message sent without a pickler (see ``_Pickler.lanes``): one CUDA array."""
+    """A message sent without a pickler (see ``_Pickler.lanes``): one shared array."""
     global _vmm
+    kind = bytes(data[:2])
+    if kind == NUMPY_LANE:
+        return _numpy_lane_loads(data, fds)
     if _vmm is None:
         from .cuda import _vmm
-    if data[:len(_vmm.LANE)] != _vmm.LANE:
-        scm_rights.close_fds(fds)
-        raise pickle.UnpicklingError(f"unknown message kind {bytes(data[:2])!r}: the sender "
-                                     "runs another shmtensor version")
-    return _vmm.lane_loads(data, fds)
+    if kind == _vmm.LANE:
+        return _vmm.lane_loads(data, fds)
+    scm_rights.close_fds(fds)
+    raise pickle.UnpicklingError(f"unknown message kind {kind!r}: the sender runs another "
+                                 "shmtensor version")
 
 
 def _rebuild_segment(key, kind, size, table_id, slot, data_i, lock_i):
