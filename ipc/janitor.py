@@ -45,11 +45,13 @@ def track(name: str, slot: int, lease_fds: list[int]) -> None:
     with _lock:
         if _sock is None:
             parent, child = socket.socketpair()
-            pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            pkg_root = os.path.abspath(__file__)
+            for _ in __name__.split("."):  # shmtensor/ipc/janitor.py -> the packages' root
+                pkg_root = os.path.dirname(pkg_root)
             env = dict(os.environ)
             env["PYTHONPATH"] = pkg_root + os.pathsep + env.get("PYTHONPATH", "")
             _proc = subprocess.Popen(
-                [sys.executable, "-m", "ipc.janitor", str(child.fileno()),
+                [sys.executable, "-m", __name__, str(child.fileno()),
                  ",".join(map(str, lease_fds)), str(os.getpid())],
                 pass_fds=(child.fileno(), *lease_fds), start_new_session=True, env=env,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
@@ -90,7 +92,7 @@ def running_janitors() -> dict[int, int]:
     out = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info["cmdline"] or []
-        if len(cmd) >= 6 and cmd[1:3] == ["-m", "ipc.janitor"] and cmd[5].isdigit():
+        if len(cmd) >= 6 and cmd[1:3] == ["-m", __name__] and cmd[5].isdigit():
             out[int(cmd[5])] = p.info["pid"]
     return out
 

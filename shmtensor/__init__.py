@@ -12,9 +12,9 @@ import importlib as _importlib
 import os as _os
 import sys as _sys
 
-from ipc import janitor as _janitor
-from ipc import ofd_lease as _ofd_lease
-from ipc.posix_shm import ShmSpaceError
+from shmtensor.ipc import janitor as _janitor
+from shmtensor.ipc import ofd_lease as _ofd_lease
+from shmtensor.ipc.posix_shm import ShmSpaceError
 
 from . import _stats
 from ._strategy import (get_all_sharing_strategies, get_inline_threshold,

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from ipc import ofd_lease
+from shmtensor.ipc import ofd_lease
 
 from . import _recycler, _segments, _strategy
 

@@ -16,7 +16,7 @@ import threading
 from multiprocessing import connection as _mpc
 from multiprocessing import reduction
 
-from ipc import scm_rights
+from shmtensor.ipc import scm_rights
 
 from . import _reductions
 

@@ -17,7 +17,7 @@ import time
 from multiprocessing import queues as _mpq
 from queue import Empty, Full
 
-from ipc import scm_rights
+from shmtensor.ipc import scm_rights
 
 from . import _reductions
 from ._connection import Connection, Pipe, _stash

@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from itertools import islice
 
-from ipc import janitor, ofd_lease, posix_shm
+from shmtensor.ipc import janitor, ofd_lease, posix_shm
 
 from . import _segments, _stats
 from ._segments import FD, FS

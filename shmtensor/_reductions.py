@@ -31,7 +31,7 @@ from multiprocessing.reduction import ForkingPickler
 import cloudpickle
 import numpy as np
 
-from ipc import ofd_lease, scm_rights
+from shmtensor.ipc import ofd_lease, scm_rights
 
 from . import _recycler, _segments, _stats, _strategy
 from ._segments import FD, Segment

@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ipc import ofd_lease, posix_shm
+from shmtensor.ipc import ofd_lease, posix_shm
 
 from . import _stats
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ipc.posix_shm import HAVE_MEMFD
+from shmtensor.ipc.posix_shm import HAVE_MEMFD
 
 FILE_DESCRIPTOR = "file_descriptor"
 FILE_SYSTEM = "file_system"

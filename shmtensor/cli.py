@@ -18,7 +18,7 @@ import time
 
 import psutil
 
-from ipc import janitor, posix_shm, procfs
+from shmtensor.ipc import janitor, posix_shm, procfs
 
 LEAK_EXIT = 97  # leak-check's exit status when the command leaked (distinct for CI)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from ipc import janitor, ofd_lease, posix_shm, procfs
+from shmtensor.ipc import janitor, ofd_lease, posix_shm, procfs
 
 __all__ = ["LeakError", "leak_checker", "Leak"]
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ipc import posix_shm
+from shmtensor.ipc import posix_shm
 
 CLI = [sys.executable, "-m", "shmtensor"]
 

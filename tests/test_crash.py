@@ -9,7 +9,7 @@ import pytest
 
 import shmtensor
 import shmtensor.multiprocessing as smp
-from ipc import ofd_lease, procfs
+from shmtensor.ipc import ofd_lease, procfs
 
 import helpers
 from conftest import JOIN, join_all

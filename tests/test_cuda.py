@@ -351,7 +351,7 @@ def test_vmm_one_array_alone_or_in_a_container_crosses_alike(cp, ctx, lc):
     assert out.get(timeout=JOIN) == (2985.0, 3000.0, 30.0)
     block = a.data.mem._owner
     slot = block.slab.slots[block.index]
-    from ipc import ofd_lease
+    from shmtensor.ipc import ofd_lease
     assert ofd_lease.own_table().is_held(slot)  # the child still holds what it got
     e.set()
     join_all(p)
@@ -366,7 +366,7 @@ def test_vmm_one_array_alone_or_in_a_container_crosses_alike(cp, ctx, lc):
 def test_vmm_two_receipts_of_one_block_are_two_holds(cp, ctx, lc):
     # Each received array owns one counted hold on its block: a consumer that received the
     # same block twice keeps it held until it has let go of both.
-    from ipc import ofd_lease
+    from shmtensor.ipc import ofd_lease
     a = shmtensor.cuda.full((1000,), 2, dtype=cp.float32)
     block = a.data.mem._owner
     q, out, step, done = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
@@ -391,7 +391,7 @@ def test_vmm_two_receipts_of_one_block_are_two_holds(cp, ctx, lc):
 
 
 def test_vmm_a_mapping_is_pinned_while_a_message_is_built_on_it(cp, ctx, lc, monkeypatch):
-    from ipc import ofd_lease
+    from shmtensor.ipc import ofd_lease
     from shmtensor.cuda import _vmm
     q, e = ctx.Queue(), ctx.Event()
     p = ctx.Process(target=ch.send_one_shared, args=(q, e))
@@ -414,7 +414,7 @@ def test_vmm_a_mapping_is_pinned_while_a_message_is_built_on_it(cp, ctx, lc, mon
 
 @pytest.mark.parametrize("stream", ["null", "per-thread default", "user"])
 def test_cuda_release_waits_for_the_receivers_stream(cp, ctx, stream):
-    from ipc import ofd_lease
+    from shmtensor.ipc import ofd_lease
     a = shmtensor.cuda.zeros(1024, dtype=cp.float32)
     block = a.data.mem._owner
     q = ctx.SimpleQueue()
@@ -443,7 +443,7 @@ def test_importing_shmtensor_does_not_initialise_cuda():
     import sys
     code = ("import shmtensor, shmtensor.cuda, shmtensor.multiprocessing, sys; "
             "n = shmtensor.cuda.device_count(); "
-            "from ipc import cuda_ipc; print(n, cuda_ipc.cuda_initialized(), 'cupy' in sys.modules)")
+            "from shmtensor.ipc import cuda_ipc; print(n, cuda_ipc.cuda_initialized(), 'cupy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60).stdout.split()
     assert int(out[0]) >= 1 and out[1] == "False" and out[2] == "False"

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from ipc import scm_rights
+from shmtensor.ipc import scm_rights
 
 
 @pytest.fixture

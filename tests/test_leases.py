@@ -11,7 +11,7 @@ import pytest
 
 import shmtensor
 import shmtensor.multiprocessing as smp
-from ipc import ofd_lease
+from shmtensor.ipc import ofd_lease
 from shmtensor import _reductions, _segments
 
 from conftest import JOIN

@@ -9,7 +9,7 @@ import pytest
 
 import shmtensor
 import shmtensor.multiprocessing as smp
-from ipc import procfs
+from shmtensor.ipc import procfs
 
 import helpers
 from conftest import JOIN, START_METHODS, join_all

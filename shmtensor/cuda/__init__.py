@@ -15,7 +15,7 @@ process that initialised CUDA raises the fork error, not an opaque driver error.
 
 from __future__ import annotations
 
-from ipc import cuda_ipc
+from shmtensor.ipc import cuda_ipc
 
 from . import _ipc
 from ._ipc import IpcEvent

@@ -23,7 +23,7 @@ import time
 import weakref
 from collections import OrderedDict, deque
 
-from ipc import cuda_ipc, ofd_lease
+from shmtensor.ipc import cuda_ipc, ofd_lease
 
 from .. import _reductions
 

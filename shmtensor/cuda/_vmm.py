@@ -25,8 +25,8 @@ import pickle
 import threading
 from collections import OrderedDict, deque
 
-from ipc import cuda_ipc, cuda_vmm, ofd_lease
-from ipc.scm_rights import close_fds
+from shmtensor.ipc import cuda_ipc, cuda_vmm, ofd_lease
+from shmtensor.ipc.scm_rights import close_fds
 
 from .. import _reductions
 from . import _ipc
