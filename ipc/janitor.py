@@ -8,8 +8,12 @@ When the socket reaches EOF, the creator is gone, however it died; the janitor t
 every remaining name as soon as nobody holds its lease (holders and messages in flight may
 still attach by name until then), polling every 50-500 ms, and exits when none is left.
 
-If the janitor itself is killed, ``shmtensor clean`` removes what it left: segments whose
-creator is dead and which no live process maps.
+While it runs, the janitor holds an OFD read lock on byte 0 of every segment it tracks
+(one description each).  That is how ``shmtensor clean`` tells a segment in use from one
+left behind, from any pid namespace (a sidecar, an ``--ipc=host`` container): pids and
+/proc are per namespace, OFD locks on a /dev/shm file are not.  If the janitor itself is
+killed, ``shmtensor clean`` removes what it left: segments nobody locks, whose creator is
+dead and which no live process it can see maps.
 """
 
 from __future__ import annotations
@@ -21,8 +25,12 @@ import sys
 import threading
 import time
 
+import fcntl
+import resource
+import select
+
 from . import posix_shm
-from .ofd_lease import probe_held
+from .ofd_lease import lock_shared, probe_held
 
 _sock: socket.socket | None = None
 _proc: subprocess.Popen | None = None
@@ -51,7 +59,7 @@ def track(name: str, slot: int, lease_fds: list[int]) -> None:
             env = dict(os.environ)
             env["PYTHONPATH"] = pkg_root + os.pathsep + env.get("PYTHONPATH", "")
             _proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(child.fileno()),
+                [sys.executable, "-m", __package__, str(child.fileno()),
                  ",".join(map(str, lease_fds)), str(os.getpid())],
                 pass_fds=(child.fileno(), *lease_fds), start_new_session=True, env=env,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
@@ -92,16 +100,73 @@ def running_janitors() -> dict[int, int]:
     out = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info["cmdline"] or []
-        if len(cmd) >= 6 and cmd[1:3] == ["-m", __name__] and cmd[5].isdigit():
+        if len(cmd) >= 6 and cmd[1:3] == ["-m", __package__] and cmd[5].isdigit():
             out[int(cmd[5])] = p.info["pid"]
     return out
 
 
+def in_use(name: str) -> bool:
+    """True while a janitor holds named segment ``name`` (its creator, or a holder, may
+    still need it), as seen from any pid namespace; False when nobody does or it is gone."""
+    try:
+        fd = os.open(os.path.join(posix_shm.SHM_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return probe_held(fd, 0)
+    finally:
+        os.close(fd)
+
+
+class _Locks:
+    """The janitor's read lock on byte 0 of each segment it tracks (see module docs).
+    A name told before its file exists is locked on a later try."""
+
+    def __init__(self) -> None:
+        self.fds: dict[str, int] = {}
+        self.pending: set[str] = set()
+
+    def add(self, name: str) -> None:
+        try:
+            fd = os.open(os.path.join(posix_shm.SHM_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self.pending.add(name)  # created right after the creator told us
+            return
+        except OSError:  # no fds left: clean falls back to what /proc shows
+            return
+        try:
+            lock_shared(fd, 0)
+        except OSError:
+            os.close(fd)
+            return
+        self.pending.discard(name)
+        self.fds[name] = fd
+
+    def drop(self, name: str) -> None:
+        self.pending.discard(name)
+        fd = self.fds.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+
+    def retry(self) -> None:
+        for name in list(self.pending):
+            self.add(name)
+
+
 def _main(sock_fd: int, lease_fds: list[int]) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:  # one fd per tracked segment: take all the fds we may
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     names: dict[str, int] = {}
+    locks = _Locks()
     sock = socket.socket(fileno=sock_fd)
     buf = b""
     while True:
+        if locks.pending:
+            select.select([sock], [], [], 0.05)
+            locks.retry()
+            if not select.select([sock], [], [], 0)[0]:
+                continue
         data = sock.recv(65536)
         if not data:
             break
@@ -112,8 +177,11 @@ def _main(sock_fd: int, lease_fds: list[int]) -> None:
             slot, name = rest.split(" ", 1)
             if op == b"+":
                 names[name] = int(slot)
+                locks.add(name)
             else:
                 names.pop(name, None)
+                locks.drop(name)
+    locks.retry()
     delay = 0.05
     while names:
         for name, slot in list(names.items()):
@@ -122,11 +190,9 @@ def _main(sock_fd: int, lease_fds: list[int]) -> None:
             held = probe_held(lease_fds[slot % len(lease_fds)], slot)
             if not held or not os.path.exists(os.path.join(posix_shm.SHM_DIR, name)):
                 posix_shm.unlink_named(name)
+                locks.drop(name)
                 del names[name]
         if names:
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-
-if __name__ == "__main__":
-    _main(int(sys.argv[1]), [int(fd) for fd in sys.argv[2].split(",")])

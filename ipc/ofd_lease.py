@@ -45,6 +45,7 @@ from .posix_shm import PREFIX, process_tag
 from .scm_rights import close_fds
 
 __all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "hold_sole",
+           "lock_shared",
            "establish", "release", "inflight_fd", "kept_budget", "probe_held",
            "forget_idle", "own_fds", "table_count", "before_fork", "after_fork_in_parent",
            "after_fork_in_child"]
@@ -67,6 +68,11 @@ def _reopen(fd: int) -> int:
 
 def _setlk(fd: int, kind: int, slot: int) -> None:
     fcntl.fcntl(fd, _SETLK, _FLOCK.pack(kind, 0, slot, 1, 0))  # 0: SEEK_SET
+
+
+def lock_shared(fd: int, slot: int) -> None:
+    """Read-lock byte ``slot`` through ``fd``'s description (until it is closed)."""
+    _setlk(fd, fcntl.F_RDLCK, slot)
 
 
 def probe_held(fd: int, slot: int) -> bool:

@@ -48,8 +48,8 @@ def empty_cache() -> int:
     """Unmap every idle segment this process keeps for reuse; returns the bytes let go.
 
     Segments still held elsewhere (a consumer's view, a message in flight) are kept."""
-    from . import _recycler, _segments
-    freed = _recycler.trim(force=True) + _segments.evict_idle(force=True)
+    from . import _segments
+    freed = _segments.empty_cache()
     _ofd_lease.forget_idle()
     return freed
 
@@ -57,12 +57,12 @@ def empty_cache() -> int:
 def debug_info() -> dict[str, int]:
     """Counters for this process: segments made, attached, recycled, bytes, live and idle,
     and CUDA exports and mappings (zeros until CUDA is used)."""
-    from . import _recycler, _segments
+    from . import _segments
     info = _stats.snapshot()
     segs = _segments.mapped()
     own = [s for s in segs if s.own]
     info["segments_own_live"] = sum(1 for s in own if s.alive())
-    info["segments_own_idle"] = len(_recycler.idle_segments())
+    info["segments_own_idle"] = len(_segments.idle_segments())
     info["segments_attached_live"] = sum(1 for s in segs if not s.own and s.alive())
     info["segments_attached_idle"] = sum(1 for s in segs if not s.own and not s.alive())
     info["bytes_mapped"] = sum(s.size for s in segs)
@@ -79,10 +79,6 @@ def _after_fork_in_child() -> None:
     _stats.after_fork_in_child()
     _ofd_lease.after_fork_in_child()
     _janitor.after_fork_in_child()
-    for name in ("shmtensor._segments", "shmtensor._recycler"):  # only what was loaded
-        module = _sys.modules.get(name)
-        if module is not None:
-            module.after_fork_in_child()
 
 
 _os.register_at_fork(before=_ofd_lease.before_fork,

@@ -2,37 +2,72 @@
 
 from __future__ import annotations
 
+import math
 import operator
 
 import numpy as np
 
-from . import _recycler, _segments, _strategy
+from . import _segments, _strategy
 
 __all__ = ["empty", "zeros", "ones", "full", "empty_like", "zeros_like", "share_memory",
            "is_shared"]
 
 
 def _shape(shape) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints, refused in numpy's words when it is not one."""
+    if type(shape) is tuple and all(type(n) is int and n >= 0 for n in shape):
+        return shape  # the common case, checked cheaply
     try:
         shape = (operator.index(shape),)
     except TypeError:
-        shape = tuple(operator.index(n) for n in shape)
+        try:
+            shape = tuple(operator.index(n) for n in shape)
+        except TypeError:
+            bad = shape if not hasattr(shape, "__iter__") else next(
+                n for n in shape if not hasattr(type(n), "__index__"))
+            raise TypeError(f"{type(bad).__name__!r} object cannot be interpreted as an "
+                            "integer") from None
     if any(n < 0 for n in shape):
-        raise ValueError(f"negative dimensions are not allowed: {shape}")
+        raise ValueError("negative dimensions are not allowed")
     return shape
 
 
-def empty(shape, dtype=float, order: str = "C") -> np.ndarray:
-    """An uninitialised array in shared memory (a recycled segment when one is free)."""
-    shape, dtype = _shape(shape), np.dtype(dtype)
-    if order not in ("C", "F"):
-        raise ValueError(f"order must be 'C' or 'F', got {order!r}")
+def _dtype(dtype) -> np.dtype:
+    dtype = np.dtype(dtype)
     if dtype.hasobject:
         raise TypeError(f"dtype {dtype} holds Python objects, which cannot live in shared "
                         "memory: use a numeric or structured dtype without objects")
-    nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-    seg = _recycler.acquire(nbytes, _strategy.get_sharing_strategy())
-    return np.ndarray(shape, dtype, buffer=seg.anchor(), order=order)
+    return dtype
+
+
+_dtypes: dict = {}  # dtype argument -> checked np.dtype, for the hashable common ones
+
+
+def empty(shape, dtype=float, order: str = "C") -> np.ndarray:
+    """An uninitialised array in shared memory: carved from a slab when small, else a
+    segment of its own (a recycled one when one is free)."""
+    if type(shape) is int and shape >= 0:
+        shape = (shape,)
+    else:
+        shape = _shape(shape)
+    try:
+        dt = _dtypes[dtype]
+    except (KeyError, TypeError):
+        dt = _dtype(dtype)
+        try:
+            if len(_dtypes) < 256:
+                _dtypes[dtype] = dt
+        except TypeError:  # unhashable dtype specification
+            pass
+    if order != "C" and order != "F":
+        raise ValueError(f"order must be 'C' or 'F', got {order!r}")
+    nbytes = dt.itemsize * math.prod(shape)
+    kind = _strategy.get_sharing_strategy()
+    if nbytes <= _segments.SLAB_ITEM_MAX:
+        anchor, offset = _segments.carve(nbytes, kind)
+        return np.ndarray(shape, dt, anchor, offset, order=order)
+    _, anchor = _segments.acquire(nbytes, kind)
+    return np.ndarray(shape, dt, anchor, order=order)
 
 
 def zeros(shape, dtype=float, order: str = "C") -> np.ndarray:

@@ -17,7 +17,7 @@ import numpy as np
 
 from shmtensor.ipc import ofd_lease
 
-from . import _recycler, _segments, _strategy
+from . import _segments, _strategy
 
 __all__ = ["BatchPool"]
 
@@ -34,8 +34,9 @@ class BatchPool:
         kind = _strategy.get_sharing_strategy()
         self._segments = []
         for _ in range(slots):
-            seg = _recycler.acquire(nbytes, kind)
-            seg.pinned = True
+            seg, anchor = _segments.acquire(nbytes, kind)
+            _segments.pin(seg)  # while its anchor lives: never idle, never reused meanwhile
+            del anchor
             self._segments.append(seg)
         self._next = 0
         self._pid = os.getpid()
@@ -83,9 +84,7 @@ class BatchPool:
         """Give the slots back to shmtensor's recycler (views still alive stay valid)."""
         segs, self._segments = self._segments, []
         for seg in segs:
-            seg.pinned = False
-            if not seg.alive():
-                _recycler._on_idle(seg)
+            _segments.unpin(seg)
 
     def __enter__(self) -> "BatchPool":
         return self

@@ -33,7 +33,7 @@ import numpy as np
 
 from shmtensor.ipc import ofd_lease, scm_rights
 
-from . import _recycler, _segments, _stats, _strategy
+from . import _segments, _stats, _strategy
 from ._segments import FD, Segment
 
 _local = threading.local()
@@ -128,14 +128,26 @@ def _reduce_root(a: np.ndarray):
     """An array sent by value: inline when small, else copied once into a segment."""
     if a.nbytes < _strategy.get_inline_threshold():
         _stats.bump("arrays_sent_inline")
-        return a.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-    seg = _recycler.acquire(a.nbytes, _strategy.get_sharing_strategy())
-    anchor = seg.anchor()
+        # numpy 2.4 pickles a strided array with its bytes but loses a non-native byte
+        # order on the way ('>i4' arrives as int32): a contiguous copy keeps it, and
+        # costs little under the inline threshold.
+        src = a if a.flags.c_contiguous or a.flags.f_contiguous else np.ascontiguousarray(a)
+        rv = src.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return rv if a.flags.writeable else (_rebuild_readonly, rv[:3])
+    kind = _strategy.get_sharing_strategy()
+    if a.nbytes <= _segments.SLAB_ITEM_MAX:
+        anchor, offset = _segments.carve(a.nbytes, kind)
+    else:
+        _, anchor = _segments.acquire(a.nbytes, kind)
+        offset = 0
+    # Anchored until the message is sent: a segment nobody holds could be handed to another
+    # thread's send and overwritten before this message's in-flight lock covers it.
+    keep_alive(anchor)
     order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
-    dst = np.ndarray(a.shape, a.dtype, buffer=anchor, order=order)
+    dst = np.ndarray(a.shape, a.dtype, buffer=anchor, offset=offset, order=order)
     np.copyto(dst, a, casting="no")
     _stats.bump("arrays_sent_copied")
-    return _reduce_on(dst, seg, not a.flags.writeable)
+    return _reduce_on(dst, _segments.segment_of(anchor), not a.flags.writeable)
 
 
 def _reduce_on(a: np.ndarray, seg: Segment, readonly: bool):
@@ -475,6 +487,15 @@ def _rebuild_array(anchor, offset, shape, strides, dtype, readonly):
     if readonly:
         a.flags.writeable = False
     _stats.bump("arrays_received")
+    return a
+
+
+def _rebuild_readonly(fn, args, state=None):
+    """numpy's own reduction of a read-only array (which arrives writeable), read-only."""
+    a = fn(*args)
+    if state is not None:
+        a.__setstate__(state)
+    a.flags.writeable = False
     return a
 
 

@@ -1,40 +1,71 @@
-"""Segments mapped in this process, the anchors that arrays hang from, and the receive cache.
+"""Segments mapped in this process: the ones it made and the ones it attached.
 
-Every array whose memory is a segment is a view of that segment's *anchor*: a uint8 array
-over the whole mapping.  While any view lives, the anchor lives, and the anchor holds the
-segment's lease (see :mod:`ipc.ofd_lease`).  When the last view dies the anchor dies, the
-lease is released, and the mapping stays cached (idle): a segment that comes back, because
-its creator recycled it or because it is sent again, costs no new mapping.  Idle mappings
-of other processes' segments are evicted by age and by total size.
+This module owns every piece of segment state, under one lock (``_lock``):
+
+* **Anchors.**  Every array whose memory is a segment is a view of that segment's anchor:
+  a uint8 array over the whole mapping.  While any view lives the anchor lives, and the
+  anchor holds the segment's lease (see :mod:`shmtensor.ipc.ofd_lease`).  When the last
+  view dies the anchor dies and the lease is released.
+* **Own segments** (made here) are reused once nobody anywhere holds them: a segment whose
+  anchor died goes into an idle list per strategy, and :func:`acquire` hands out an idle
+  one of a fitting size whose lease is free, or makes a new one.  Idle segments past an
+  age or a byte budget are destroyed, once unheld.
+* **Slabs.**  Arrays up to :data:`SLAB_ITEM_MAX` bytes are carved from the current slab of
+  their strategy (:func:`carve`): one segment holds many arrays, so fds, mappings and lease
+  slots scale with slabs, not arrays, in producer and consumer alike.  A slab is one
+  segment with one lease: it is reused when every array in it is released everywhere.
+  A new slab is twice the last when no earlier one was free to reuse (2 MiB up to
+  64 MiB), so 100,000 live small arrays take a handful of slabs.
+* **The receive cache**: segments attached from other processes stay mapped while idle,
+  so one that comes back (recycled by its creator, or sent again) costs no new mapping;
+  idle ones are evicted by age, count and total size.
+
+Nothing here scans all segments on a release: the idle lists are looked at from their
+oldest end, a bounded number at a time, and not again before something can be due.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
 import weakref
 from collections import OrderedDict
+from itertools import islice
 
 import numpy as np
 
-from shmtensor.ipc import ofd_lease, posix_shm
+from shmtensor.ipc import janitor, ofd_lease, posix_shm
 
 from . import _stats
 
 FD, FS = "file_descriptor", "file_system"
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
-# Idle mappings of other processes' segments kept for reuse (see module docstring).
+# Own idle segments kept for reuse: named ones are visible in /dev/shm, so kept briefly.
+IDLE_SECONDS = {FD: 30.0, FS: 5.0}
+IDLE_BYTES = 4 << 30
+# Idle mappings of other processes' segments kept for reuse.
 CACHE_IDLE_SECONDS = 30.0
 CACHE_IDLE_BYTES = 2 << 30
 CACHE_IDLE_COUNT = 512
+# Slabs (see the module docstring and docs/architecture.md for how these were chosen).
+SLAB_ITEM_MAX = 1 << 20
+SLAB_MIN = 2 << 20
+SLAB_MAX = 64 << 20
+SLAB_ALIGN = 64
+
+_SCAN_LIMIT = 64   # idle segments looked at per trim pass, per strategy
+_PROBE_LIMIT = 16  # leases probed per acquire
+_RETRIM_SECONDS = 0.5  # after a trim pass that found due segments still held
 
 
 class Segment:
     """One segment mapped in this process, made here (``own``) or attached from elsewhere."""
 
     __slots__ = ("key", "kind", "size", "table_id", "slot", "own", "mm", "fd", "address",
-                 "_anchor", "idle_since", "pinned", "__weakref__")
+                 "_anchor", "idle_since", "pinned", "slab", "__weakref__")
 
     def anchor(self, lease_fd: int | None = None, deferred: list | None = None) -> np.ndarray:
         """The live anchor (made, and the lease held, if none is alive).  ``lease_fd``: a
@@ -53,9 +84,10 @@ class Segment:
                     self._anchor = weakref.ref(a)
                     f = weakref.finalize(a, _anchor_died, self)
                     f.atexit = False
-                    _idle_drop(self)
                     if self.own:
-                        _own_busy_hook(self)
+                        _own_idle_drop(self)
+                    else:
+                        _cache_drop(self)
         return a
 
     def alive(self) -> bool:
@@ -63,68 +95,99 @@ class Segment:
 
     def close(self) -> None:
         """Unmap and close; only when no anchor is alive (views would dangle)."""
-        if self.mm is not None:
-            if self.alive():
-                return
-            _by_buffer.pop(id(self.mm.buffer), None)
-            self.mm.close()
-            self.mm = None
-        if self.fd is not None:
-            _close_fd(self)
-        if _by_key.get(self.key) is self:
-            del _by_key[self.key]
-        _idle_drop(self)
+        global _kept_fds
+        with _lock:
+            if self.mm is not None:
+                if self.alive():
+                    return
+                _by_buffer.pop(id(self.mm.buffer), None)
+                self.mm.close()
+                self.mm = None
+            if self.fd is not None:
+                try:
+                    os.close(self.fd)
+                except OSError:
+                    pass
+                if not self.own:
+                    _kept_fds -= 1
+                self.fd = None
+            if _by_key.get(self.key) is self:
+                del _by_key[self.key]
+            _cache_drop(self)
+            _own_idle_drop(self)
 
 
-def _close_fd(seg: Segment) -> None:
-    global _kept_fds
-    try:
-        os.close(seg.fd)
-    except OSError:
-        pass
-    if not seg.own:
-        _kept_fds -= 1
-    seg.fd = None
-
-
-_lock = threading.RLock()
+_lock = threading.RLock()  # everything below; re-entrant: a GC pass may run a finalizer here
 _by_key: dict[str, Segment] = {}
 _by_buffer: dict[int, Segment] = {}  # id(mapping buffer) -> segment: ends every base chain
-_idle: "OrderedDict[str, Segment]" = OrderedDict()  # attached segments with no live anchor
-_idle_bytes = 0  # their total size, kept as they come and go (evict_idle runs per release)
+_kept_fds = 0  # received memfds kept (to forward without a copy); bounded by kept_budget
+
+# The receive cache: attached segments with no live anchor, oldest first.
+_cache: "OrderedDict[str, Segment]" = OrderedDict()
+_cache_bytes = 0
+
+# Own idle segments: per strategy in idle order (trimmed oldest first), and by capacity
+# class (bit length of the size) for acquire.
+_own_idle: dict[str, "OrderedDict[str, Segment]"] = {FD: OrderedDict(), FS: OrderedDict()}
+_buckets: dict[tuple[str, int], "OrderedDict[str, Segment]"] = {}
+_own_idle_bytes = 0
+_next_trim = 0.0  # no trim pass before this (monotonic) unless forced or over budget
+
+# Slabs, per strategy: the size of the next new one, and the one being carved.
+_slab_size: dict[str, int] = {}
+_slabs: dict[str, int] = {FD: 0, FS: 0}  # own slab segments in existence (live or idle)
+_current: dict[str, list] = {}  # kind -> [segment, anchor, next free offset]
 
 
-def _idle_put(seg: Segment) -> None:
-    global _idle_bytes
-    if _idle.get(seg.key) is not seg:
-        _idle_bytes += seg.size
-    _idle[seg.key] = seg
-    _idle.move_to_end(seg.key)
+def _cache_put(seg: Segment) -> None:
+    global _cache_bytes
+    if _cache.get(seg.key) is not seg:
+        _cache_bytes += seg.size
+    _cache[seg.key] = seg
+    _cache.move_to_end(seg.key)
 
 
-def _idle_drop(seg: Segment) -> None:
-    global _idle_bytes
-    if _idle.get(seg.key) is seg:
-        del _idle[seg.key]
-        _idle_bytes -= seg.size
-_kept_fds = 0
-_own_busy_hook = lambda seg: None  # noqa: E731 - set by _recycler
-_own_idle_hook = lambda seg: None  # noqa: E731 - set by _recycler
-_attached_idle_hook = lambda: None  # noqa: E731 - set by _recycler
+def _cache_drop(seg: Segment) -> None:
+    global _cache_bytes
+    if _cache.get(seg.key) is seg:
+        del _cache[seg.key]
+        _cache_bytes -= seg.size
+
+
+def _own_idle_put(seg: Segment) -> None:
+    global _own_idle_bytes, _next_trim
+    idle = _own_idle[seg.kind]
+    if seg.key not in idle:
+        _next_trim = min(_next_trim, seg.idle_since + IDLE_SECONDS[seg.kind])
+        idle[seg.key] = seg
+        _buckets.setdefault((seg.kind, seg.size.bit_length()), OrderedDict())[seg.key] = seg
+        _own_idle_bytes += seg.size
+
+
+def _own_idle_drop(seg: Segment) -> None:
+    global _own_idle_bytes
+    idle = _own_idle.get(seg.kind)
+    if idle is not None and idle.get(seg.key) is seg:
+        del idle[seg.key]
+        del _buckets[(seg.kind, seg.size.bit_length())][seg.key]
+        _own_idle_bytes -= seg.size
 
 
 def _anchor_died(seg: Segment) -> None:
     ofd_lease.release(seg.table_id, seg.slot)
     seg.idle_since = time.monotonic()
-    if seg.own:
-        if not seg.pinned:
-            _own_idle_hook(seg)
-    else:
-        with _lock:
-            if _by_key.get(seg.key) is seg and not seg.alive():
-                _idle_put(seg)
-        evict_idle()
-        _attached_idle_hook()
+    with _lock:
+        if _by_key.get(seg.key) is not seg or seg.alive() or seg.mm is None:
+            return
+        if seg.own:
+            if seg.pinned:
+                return
+            _own_idle_put(seg)
+        else:
+            _cache_put(seg)
+    trim()
+    evict_idle()
+    _ensure_sweeper()
 
 
 def segment_of(a) -> Segment | None:
@@ -139,6 +202,183 @@ def segment_of(a) -> Segment | None:
             return _by_buffer.get(id(b))
     return None
 
+
+# --- own segments ----------------------------------------------------------------------
+
+def _capacity(nbytes: int) -> int:
+    return -(-max(nbytes, 1) // PAGE) * PAGE
+
+
+def _fits(cap: int, need: int) -> bool:
+    return need <= cap <= max(2 * need, need + (64 << 10))
+
+
+def acquire(nbytes: int, kind: str) -> tuple[Segment, np.ndarray]:
+    """A segment of at least ``nbytes`` that nobody holds (recycled if possible, else new)
+    and its anchor: held from the moment it is chosen, so no other thread can take it."""
+    need = _capacity(nbytes)
+    table = ofd_lease.own_table()
+    with _lock:
+        seg = _reuse(need, kind, table)
+        if seg is None:
+            seg = _create(need, kind, table)
+        _mark_slab(seg, False)
+        return seg, seg.anchor()
+
+
+def _reuse(need: int, kind: str, table: ofd_lease.LeaseTable) -> Segment | None:
+    probed = scanned = 0
+    for cls in (need.bit_length(), need.bit_length() + 1):
+        bucket = _buckets.get((kind, cls))
+        if not bucket:
+            continue
+        for seg in list(islice(bucket.values(), _SCAN_LIMIT)):  # a snapshot: finalizers may edit
+            scanned += 1
+            if scanned > _SCAN_LIMIT or probed >= _PROBE_LIMIT:
+                return None
+            if not _fits(seg.size, need) or bucket.get(seg.key) is not seg:
+                continue
+            probed += 1
+            if not table.is_held(seg.slot):
+                _own_idle_drop(seg)
+                _stats.bump("segments_recycled")
+                return seg
+            bucket.move_to_end(seg.key)  # held for long: look at the others first next time
+    return None
+
+
+def _mark_slab(seg: Segment, slab: bool) -> None:
+    if seg.slab != slab:
+        seg.slab = slab
+        _slabs[seg.kind] += 1 if slab else -1
+
+
+def _create(size: int, kind: str, table: ofd_lease.LeaseTable) -> Segment:
+    slot = table.new_slot()
+    name = posix_shm.segment_name(slot)
+    if kind == FD:
+        fd = posix_shm.create_memfd(name, size)
+    else:
+        # The janitor hears of the name before the file exists: a SIGKILL in between
+        # leaves nothing it does not know about.
+        janitor.track(name, slot, table.fds)
+        try:
+            fd = posix_shm.create_named(name, size)
+        except BaseException:
+            janitor.untrack(name)
+            raise
+    try:
+        seg = new_segment(name, kind, size, table.id, slot, own=True, fd=fd, populate=True)
+    except BaseException:
+        os.close(fd)
+        if kind == FS:
+            posix_shm.unlink_named(name)
+            janitor.untrack(name)
+        raise
+    if kind == FS:
+        os.close(fd)  # attached by name: no fd needed
+        seg.fd = None
+    _by_key[name] = seg
+    _stats.bump("segments_created")
+    _stats.bump("bytes_created", size)
+    return seg
+
+
+def carve(nbytes: int, kind: str) -> tuple[np.ndarray, int]:
+    """Room for ``nbytes`` (at most :data:`SLAB_ITEM_MAX`) in the current slab of ``kind``:
+    the slab's anchor and the offset, aligned to :data:`SLAB_ALIGN` bytes.
+
+    A full slab is let go (reused once every array in it is released everywhere).  The
+    next one is a recycled slab of the same size when one is free; when none is (arrays
+    of earlier slabs are still alive somewhere), a new slab twice as large, up to
+    :data:`SLAB_MAX`: the slab count grows with the logarithm of what is kept alive."""
+    with _lock:
+        cur = _current.get(kind)
+        if cur is not None:
+            off = cur[2]
+            end = off + nbytes
+            if end <= cur[0].size:
+                cur[2] = (end + SLAB_ALIGN - 1) & -SLAB_ALIGN
+                return cur[1], off
+            del _current[kind]
+            del cur  # the full slab's anchor now lives only as long as arrays in it
+        size = _slab_size.get(kind, SLAB_MIN)
+        table = ofd_lease.own_table()
+        seg = _reuse(size, kind, table)
+        if seg is None:
+            if _slabs[kind]:  # earlier slabs are still held: the next new one is larger
+                _slab_size[kind] = min(SLAB_MAX, 2 * size)
+            seg = _create(size, kind, table)
+        _mark_slab(seg, True)
+        anchor = seg.anchor()
+        _current[kind] = [seg, anchor, (nbytes + SLAB_ALIGN - 1) & -SLAB_ALIGN]
+        _stats.bump("slabs_started")
+        return anchor, 0
+
+
+def pin(seg: Segment) -> None:
+    """Keep ``seg`` out of reuse (a BatchPool's slot) until :func:`unpin`."""
+    with _lock:
+        seg.pinned = True
+        _own_idle_drop(seg)
+
+
+def unpin(seg: Segment) -> None:
+    with _lock:
+        seg.pinned = False
+        if seg.own and not seg.alive() and _by_key.get(seg.key) is seg:
+            seg.idle_since = time.monotonic()
+            _own_idle_put(seg)
+    _ensure_sweeper()
+
+
+def _destroy(seg: Segment) -> None:
+    _own_idle_drop(seg)
+    if seg.slab:  # slabs are being let go: the next new one may be smaller again
+        _mark_slab(seg, False)
+        _slab_size[seg.kind] = max(SLAB_MIN, min(_slab_size.get(seg.kind, SLAB_MIN),
+                                                 seg.size) // 2)
+    seg.close()
+    if seg.kind == FS:
+        posix_shm.unlink_named(seg.key)
+        janitor.untrack(seg.key)
+    _stats.bump("segments_destroyed")
+
+
+def trim(force: bool = False) -> int:
+    """Destroy idle, unheld own segments past the age or byte budget (all with ``force``).
+
+    Cheap when there is nothing to do: nothing is looked at before the oldest idle segment
+    can be due, and a pass looks at most at the oldest few of each strategy."""
+    global _next_trim
+    now = time.monotonic()
+    if not force and now < _next_trim and _own_idle_bytes <= IDLE_BYTES:
+        return 0
+    freed = 0
+    table = ofd_lease.own_table() if any(_own_idle.values()) else None
+    with _lock:
+        next_due = now + max(IDLE_SECONDS.values())
+        for kind, idle in _own_idle.items():
+            age = IDLE_SECONDS[kind]
+            oldest = list(idle.values()) if force else list(islice(idle.values(), _SCAN_LIMIT))
+            for seg in oldest:
+                due = now - seg.idle_since > age
+                if not (force or due or _own_idle_bytes > IDLE_BYTES):
+                    next_due = min(next_due, seg.idle_since + age)
+                    break  # oldest first: the rest are younger
+                if seg.alive() or idle.get(seg.key) is not seg:
+                    continue
+                if table.is_held(seg.slot):
+                    idle.move_to_end(seg.key)  # held elsewhere: let the next pass reach others
+                    next_due = min(next_due, now + _RETRIM_SECONDS)
+                    continue
+                freed += seg.size
+                _destroy(seg)
+        _next_trim = next_due
+    return freed
+
+
+# --- attached segments (the receive cache) ------------------------------------------------
 
 def receive(key: str, kind: str, size: int, table_id: str, slot: int, fd: int | None,
             lease_fd: int, deferred: list | None = None) -> tuple[np.ndarray, bool]:
@@ -179,7 +419,8 @@ def new_segment(key, kind, size, table_id, slot, own, fd, populate=False) -> Seg
     seg.address = 0
     seg._anchor = None
     seg.idle_since = time.monotonic()
-    seg.pinned = False  # reserved by a BatchPool: never handed to the recycler
+    seg.pinned = False  # reserved by a BatchPool: never reused by acquire
+    seg.slab = False
     seg.mm = posix_shm.map_fd(fd, size, populate)
     seg.address = seg.mm.address
     _by_buffer[id(seg.mm.buffer)] = seg
@@ -192,12 +433,12 @@ def evict_idle(force: bool = False) -> int:
     now = time.monotonic()
     freed = 0
     with _lock:
-        while _idle:
-            seg = next(iter(_idle.values()))
-            if not (force or len(_idle) > CACHE_IDLE_COUNT or _idle_bytes > CACHE_IDLE_BYTES
+        while _cache:
+            seg = next(iter(_cache.values()))
+            if not (force or len(_cache) > CACHE_IDLE_COUNT or _cache_bytes > CACHE_IDLE_BYTES
                     or now - seg.idle_since > CACHE_IDLE_SECONDS):
                 break
-            _idle_drop(seg)
+            _cache_drop(seg)
             if seg.alive():
                 continue
             freed += seg.size
@@ -206,11 +447,88 @@ def evict_idle(force: bool = False) -> int:
     return freed
 
 
+# --- the sweeper, views for tools, fork ----------------------------------------------------
+
+_sweeper: threading.Thread | None = None
+SWEEP_SECONDS = 1.0
+
+
+def _sweep() -> None:
+    """Apply the idle limits while the process is otherwise quiet; stop when nothing idles."""
+    global _sweeper
+    while True:
+        time.sleep(SWEEP_SECONDS)
+        try:
+            trim()
+            evict_idle()
+        except Exception:  # interpreter shutting down: nothing left to sweep for
+            return
+        with _lock:
+            if not any(_own_idle.values()) and not _cache:
+                _sweeper = None
+                return
+
+
+def _ensure_sweeper() -> None:
+    global _sweeper
+    if _sweeper is None:
+        with _lock:
+            if _sweeper is None:
+                _sweeper = threading.Thread(target=_sweep, daemon=True, name="shmtensor-sweeper")
+                _sweeper.start()
+
+
 def mapped() -> list[Segment]:
     with _lock:
         return list(_by_key.values())
 
 
-def after_fork_in_child() -> None:
-    global _lock
+def idle_segments() -> list[Segment]:
+    """Own segments waiting for reuse."""
+    with _lock:
+        return [s for idle in _own_idle.values() for s in idle.values()]
+
+
+def empty_cache() -> int:
+    """Let go of the current slabs and destroy or unmap everything idle that nobody holds;
+    returns the bytes freed."""
+    with _lock:
+        current = list(_current.values())
+        _current.clear()
+    del current  # slabs with no live array go idle here
+    return trim(force=True) + evict_idle(force=True)
+
+
+def _after_fork_in_child() -> None:
+    """The parent's segments are not the child's to reuse: forget them (views stay valid)."""
+    global _lock, _sweeper, _own_idle_bytes, _next_trim, _kept_fds
     _lock = threading.RLock()
+    _sweeper = None
+    _next_trim = 0.0
+    for seg in list(_by_key.values()):
+        if seg.own:
+            seg.own = False  # attached, as far as this child is concerned
+            seg.slab = False
+            if seg.fd is not None:
+                _kept_fds += 1
+    for idle in _own_idle.values():
+        for seg in list(idle.values()):
+            if not seg.alive():
+                seg.close()
+        idle.clear()
+    _buckets.clear()
+    _own_idle_bytes = 0
+    _slab_size.clear()
+    _slabs.update(dict.fromkeys(_slabs, 0))
+    _current.clear()  # the parent carves on: the child's arrays come from its own slabs
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@atexit.register
+def _at_exit() -> None:
+    try:
+        trim(force=True)
+    except Exception:  # never fail interpreter shutdown over a cache
+        pass

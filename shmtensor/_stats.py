@@ -9,6 +9,7 @@ _KEYS = (
     "bytes_created",       # their total capacity
     "segments_recycled",   # own segments handed out again after every holder let go
     "segments_destroyed",  # own segments unmapped and closed (or unlinked)
+    "slabs_started",       # own segments (new or recycled) that small arrays are carved from
     "segments_attached",   # other processes' segments mapped here
     "bytes_attached",
     "segments_evicted",    # idle attached mappings dropped from the receive cache

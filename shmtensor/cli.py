@@ -116,10 +116,14 @@ def cmd_clean(args) -> int:
     removed, freed, failed = [], 0, []
     for row in segments():
         pid, token, _ = posix_shm.parse_name(row["name"])
-        if (row["kind"] != "named" or row["creator_alive"] or row["mapped_by"]
+        if (row["kind"] != "named" or (row["age_s"] or 0) < CLEAN_MIN_AGE_S
+                or janitor.in_use(row["name"]) or row["creator_alive"] or row["mapped_by"]
                 or row["fd_held_by"] or row["creator_pid"] in janitors
-                or f"{pid}_{token}" in leases or (row["age_s"] or 0) < CLEAN_MIN_AGE_S):
-            continue  # a live process may still use it (or its janitor will remove it)
+                or f"{pid}_{token}" in leases):
+            # a live process may still use it (or its janitor will remove it).  The
+            # janitor's lock is the one sign that holds across pid namespaces; the others
+            # cover a janitor that was killed, for what this namespace can see.
+            continue
         if not args.dry_run:
             try:
                 posix_shm.unlink_named(row["name"])

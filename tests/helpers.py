@@ -88,7 +88,8 @@ def sleep_forever():
 
 
 def fault_producer(queue, stop, size):
-    """Send uniform arrays (shared and not) until told to stop; recycling runs throughout."""
+    """Send uniform arrays (shared and not) until told to stop (``stop[0]``); recycling runs
+    throughout.  ``stop[1]`` counts sends, up to 100."""
     import queue as _q
     i = 0
     while not stop[0]:
@@ -98,6 +99,8 @@ def fault_producer(queue, stop, size):
         except _q.Full:
             continue
         i += 1
+        if i <= 100:
+            stop[1] = i
 
 
 def fault_consumer(queue, out, keep):

@@ -63,10 +63,10 @@ def test_sigkill_consumer_releases_by_dying(strategy, lc):
     q, out, e = ctx.Queue(), ctx.Queue(), ctx.Event()
     c = ctx.Process(target=helpers.hold_and_wait, args=(q, out, e))
     c.start()
-    a = shmtensor.full(50_000, 2, dtype=np.int64)
+    a = shmtensor.full(200_000, 2, dtype=np.int64)  # past SLAB_ITEM_MAX: its own segment
     seg = shmtensor._segments.segment_of(a)
     q.put(a)
-    assert out.get(timeout=JOIN) == 100_000
+    assert out.get(timeout=JOIN) == 400_000
     del a
     table = ofd_lease.own_table()
     assert table.is_held(seg.slot)  # the consumer holds it: no reuse yet
@@ -76,7 +76,7 @@ def test_sigkill_consumer_releases_by_dying(strategy, lc):
     while table.is_held(seg.slot) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not table.is_held(seg.slot)
-    b = shmtensor.empty(50_000, dtype=np.int64)  # the dead consumer's segment is reused
+    b = shmtensor.empty(200_000, dtype=np.int64)  # the dead consumer's segment is reused
     assert shmtensor._segments.segment_of(b) is seg
     del b
     shmtensor.empty_cache()
@@ -89,11 +89,11 @@ def test_consumer_killed_holding_many_then_producer_reclaims(lc):
     q = ctx.Queue()
     c = ctx.Process(target=helpers.suicide_after_get, args=(q,))
     c.start()
-    q.put([np.ones(100_000) for _ in range(3)])
+    q.put([np.ones(200_000) for _ in range(3)])  # past SLAB_ITEM_MAX: a segment each
     c.join(JOIN)
     assert c.exitcode == -signal.SIGKILL
     before = shmtensor.debug_info()["segments_created"]
     for _ in range(3):
-        x = shmtensor.empty(100_000)
+        x = shmtensor.empty(200_000)
         del x
     assert shmtensor.debug_info()["segments_created"] == before

@@ -25,13 +25,16 @@ def test_random_sigkill(strategy, victim, seed, lc):
     rnd = random.Random(seed)
     ctx = smp.get_context("spawn")
     # the stop flag is a shared byte, not an Event: an Event's lock could die with the producer
-    q, out, stop = ctx.Queue(maxsize=8), ctx.Queue(), shmtensor.zeros(1, dtype="int8")
+    q, out, stop = ctx.Queue(maxsize=8), ctx.Queue(), shmtensor.zeros(2, dtype="int8")
     size = rnd.choice([8, 20_000, 300_000])  # inline, and through segments
     prod = ctx.Process(target=helpers.fault_producer, args=(q, stop, size))
     cons = ctx.Process(target=helpers.fault_consumer, args=(q, out, 4))
     prod.start()
     cons.start()
-    time.sleep(rnd.uniform(0.5, 1.5))  # in put, in get, holding, recycling: wherever it is
+    deadline = time.monotonic() + JOIN  # both started (a loaded machine spawns slowly)
+    while stop[1] == 0 and time.monotonic() < deadline and prod.exitcode is None:
+        time.sleep(0.005)
+    time.sleep(rnd.uniform(0.1, 1.0))  # in put, in get, holding, recycling: wherever it is
     dead, survivor = (prod, cons) if victim == "producer" else (cons, prod)
     os.kill(dead.pid, signal.SIGKILL)
     dead.join(JOIN)

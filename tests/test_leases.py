@@ -17,6 +17,11 @@ from shmtensor import _reductions, _segments
 from conftest import JOIN
 
 
+# Arrays past SLAB_ITEM_MAX have a segment of their own: the lease of each is the array's
+# alone (a small array's is its slab's, which the slab allocator also holds).
+OWN = _segments.SLAB_ITEM_MAX // 8 + 1000
+
+
 def _send_to_self(box: list):
     """Send ``box``'s one item to this process, dropping every other reference to it (so
     the receipt holds the lease anew) before receiving it."""
@@ -35,7 +40,7 @@ def _holding(seg):
 
 
 def test_a_sole_slot_is_held_by_the_kept_inflight_description():
-    a = shmtensor.zeros(10_000)
+    a = shmtensor.zeros(OWN)
     seg = _segments.segment_of(a)
     table = ofd_lease.own_table()
     kept_before = ofd_lease._kept
@@ -57,7 +62,7 @@ def _two_in_one_file():
     """Two shared arrays (zeros, ones) whose slots are in the same lease table file."""
     made, seen = [], {}
     while True:
-        a = shmtensor.zeros(10_000)
+        a = shmtensor.zeros(OWN)
         slot = _segments.segment_of(a).slot
         other = seen.get(slot % ofd_lease.SHARDS)
         if other is not None:
@@ -79,7 +84,7 @@ def test_a_description_covering_two_slots_is_not_kept():
     got = _send_to_self(box)
     assert _holding(s1).by[s1.slot] == -1 and _holding(s2).by[s2.slot] == -1
     assert table.is_held(s1.slot) and table.is_held(s2.slot)
-    assert float(got[1].sum()) == 10_000
+    assert float(got[1].sum()) == OWN
     del got
     gc.collect()
     assert not table.is_held(s1.slot) and not table.is_held(s2.slot)
@@ -87,7 +92,7 @@ def test_a_description_covering_two_slots_is_not_kept():
 
 def test_past_the_budget_holds_are_locks(monkeypatch):
     monkeypatch.setattr(ofd_lease, "_budget", [0])
-    a = shmtensor.zeros(10_000)
+    a = shmtensor.zeros(OWN)
     seg = _segments.segment_of(a)
     box = [a]
     del a
@@ -111,7 +116,7 @@ def _drop_inherited_then_wait(ready, go):
 
 def test_a_forked_child_does_not_keep_the_parents_kept_description():
     ctx = smp.get_context("fork")
-    a = shmtensor.zeros(10_000)
+    a = shmtensor.zeros(OWN)
     seg = _segments.segment_of(a)
     table = ofd_lease.own_table()
     box = [a]
@@ -141,7 +146,7 @@ def test_numpy_reference_values_survive_the_round_trip():
 
 
 def test_a_kept_description_is_not_inherited_by_programs_started_here():
-    a = shmtensor.zeros(10_000)
+    a = shmtensor.zeros(OWN)
     seg = _segments.segment_of(a)
     box = [a]
     del a
