@@ -94,23 +94,46 @@ def measure(scenario: str, peer: str, size: int, run, sessions: int) -> dict:
     return result
 
 
-def run_all(settings: Settings, have_torch: bool, have_joblib: bool) -> list[dict]:
-    """Every measurement of the plan, in order; torch's and joblib's only when importable."""
-    rounds, sessions = settings.rounds, settings.sessions
-    results = [measure(FLOOR, MEMCPY, 256 * MB, partial(time_memcpy, 256 * MB, 3 * rounds),
-                       sessions)]
+def plan(settings: Settings, have_torch: bool, have_joblib: bool) -> list[tuple]:
+    """Every measurement as ``(scenario, peer, size, run)``; torch's and joblib's only
+    when importable."""
+    rounds = settings.rounds
+    out = [(FLOOR, MEMCPY, 256 * MB, partial(time_memcpy, 256 * MB, 3 * rounds))]
     for peer in PEERS:
         if peer.context == "torch" and not have_torch:
             continue
         for size in settings.sizes(peer):
             n = settings.n(peer.bytes_moved(size))
-            run = partial(time_queue, peer, size, n, rounds, warmup(n))
-            results.append(measure(peer.scenario, peer.label, size, run, sessions))
+            out.append((peer.scenario, peer.label, size,
+                        partial(time_queue, peer, size, n, rounds, warmup(n))))
     if have_joblib:
         for size in settings.copy_sizes:
-            n = settings.n(size)
-            results.append(measure(JOBLIB_SCENARIO, JOBLIB, size,
-                                   partial(time_joblib, size, n, rounds), sessions))
+            out.append((JOBLIB_SCENARIO, JOBLIB, size,
+                        partial(time_joblib, size, settings.n(size), rounds)))
+    return out
+
+
+def run_all(settings: Settings, have_torch: bool, have_joblib: bool) -> list[dict]:
+    """Every measurement of the plan, contenders interleaved: each session runs every
+    (scenario, peer, size) once, in turn, so a machine whose speed drifts during the run
+    moves every contender alike; each result is the median session."""
+    todo = plan(settings, have_torch, have_joblib)
+    sessions: list[list[dict]] = [[] for _ in todo]
+    for k in range(settings.sessions):
+        print(f" session {k + 1} of {settings.sessions}:", file=sys.stderr, flush=True)
+        for i, (scenario, peer, size, run) in enumerate(todo):
+            sessions[i].append(measure(scenario, peer, size, run, 1))
+    results = []
+    for done in sessions:
+        ok = sorted((r for r in done if r["per_array_s"] is not None),
+                    key=lambda r: r["per_array_s"])
+        if not ok:
+            results.append(done[-1])
+            continue
+        mid = dict(ok[len(ok) // 2])
+        mid["n"] = sum(r["n"] for r in ok)
+        mid["sessions_s"] = [r["per_array_s"] for r in done]
+        results.append(mid)
     return results
 
 
