@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copyreg
 import io
-import os
 import pickle
 import sys
 import threading
@@ -343,10 +342,10 @@ class _Pickler(pickle.Pickler):
 
 class _CloudPickler(cloudpickle.Pickler):
     """The fallback: the same reducers, and functions or classes that cannot be imported
-    by name (lambdas, closures, those of a ``__main__`` a spawned child cannot import)
-    travel by value (cloudpickle).  What a by-value function names in ``__main__`` still
-    goes by name where the fast pickler would send it so: the receiver's own function or
-    class, with its globals and identity (cloudpickle sends all of ``__main__`` by value)."""
+    by name (lambdas, closures, those of a ``__main__`` without a main file) travel by
+    value (cloudpickle).  What a by-value function names in ``__main__`` still goes by
+    name where the fast pickler would send it so: the receiver's own function or class,
+    with its globals and identity (cloudpickle sends all of ``__main__`` by value)."""
 
     def reducer_override(self, obj):
         t = type(obj)
@@ -359,26 +358,16 @@ _main_seen: tuple = (None, False)  # the __main__ module last looked at, and the
 
 
 def _main_by_reference() -> bool:
-    """Whether ``__main__``'s functions and classes go by name, as the stdlib sends them.
-
-    Yes when a child started by spawn or forkserver imports the main module again (as
-    ``__mp_main__``, which multiprocessing aliases to ``__main__``; a forked child has it
-    anyway): a script, or ``python -m pkg.mod``.  No for a session without a main file
-    (``python -c``, a REPL, a notebook) and for ``python -m pkg`` (``pkg.__main__``),
-    which the stdlib's spawn does not import (``multiprocessing.spawn``'s
-    ``get_preparation_data`` and ``_fixup_main_from_*``, whose rules this follows): there
-    the stdlib fails in the child, and they travel by value."""
+    """Whether ``__main__``'s functions and classes go by name, as the stdlib sends them:
+    when the main module is a file.  A child started by spawn or forkserver then imports it
+    again (as ``__mp_main__``, which multiprocessing aliases to ``__main__``), and a forked
+    child has it.  A session without a main file (``python -c``, a REPL, a notebook) has
+    nothing a spawned child could import: its functions and classes travel by value."""
     global _main_seen
     main, ok = _main_seen
     if sys.modules.get("__main__") is not main:
         main = sys.modules.get("__main__")
-        name = getattr(getattr(main, "__spec__", None), "name", None)
-        if name is not None:
-            ok = name != "__main__" and not name.endswith(".__main__")
-        else:
-            path = getattr(main, "__file__", None)
-            ok = path is not None and (
-                os.path.splitext(os.path.basename(path))[0] != "ipython")
+        ok = getattr(main, "__file__", None) is not None
         _main_seen = (main, ok)
     return ok
 
@@ -420,9 +409,9 @@ def dumps(obj, undo: Callable[[], object] | None = None) -> tuple[memoryview, Se
 
     By reference first, as the stdlib pickles (the fast pickler); by value (cloudpickle)
     only when that fails (a lambda, a closure) or when the message names a ``__main__``
-    that a spawned child cannot import (see :func:`_main_by_reference`; messages over
-    64 KiB are not searched for it).  When both fail, the first error is raised, as the
-    stdlib would raise it.
+    without a main file, which a spawned child cannot import (see
+    :func:`_main_by_reference`; messages over 64 KiB are not searched for it).  When both
+    fail, the first error is raised, as the stdlib would raise it.
 
     ``undo`` is for a message pickled with side effects outside itself (a spawned
     Process's arguments register their fds with the stdlib's popen as they are pickled):

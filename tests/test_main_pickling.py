@@ -13,8 +13,10 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
+import shmtensor
 import shmtensor.multiprocessing as smp
 
 from conftest import JOIN, START_METHODS
@@ -44,13 +46,20 @@ if __name__ == "__main__":
 """
 
 
-def run_script(tmp_path, body: str, method: str, main_args: str = "", *, as_c=False) -> dict:
-    """Run ``body`` (after the prelude) as ``__main__``: from a file, or with ``python -c``
-    (no main file); the parsed JSON line it prints."""
+def run_script(tmp_path, body: str, method: str, main_args: str = "", *, as_c=False,
+               as_package=False) -> dict:
+    """Run ``body`` (after the prelude) as ``__main__``: from a file, with ``python -c``
+    (no main file) or as ``python -m pkg`` (``pkg/__main__.py``); the parsed JSON line it
+    prints."""
     source = PRELUDE + textwrap.dedent(body)
     if as_c:
         source += f"\n_report(run{main_args})\n"
         cmd = [sys.executable, "-c", source, method]
+    elif as_package:
+        (tmp_path / "mainpkg").mkdir()
+        (tmp_path / "mainpkg" / "__init__.py").write_text("")
+        (tmp_path / "mainpkg" / "__main__.py").write_text(source + MAIN.format(args=main_args))
+        cmd = [sys.executable, "-m", "mainpkg", method]
     else:
         source += MAIN.format(args=main_args)
         path = tmp_path / "main_case.py"
@@ -85,6 +94,15 @@ def run(ctx):
 @pytest.mark.parametrize("method", START_METHODS)
 def test_pool_initializer_sets_main_global(tmp_path, method, lc):
     out = run_script(tmp_path, POOL_GLOBAL, method)
+    assert out["stdlib"] == [10, 11]
+    assert out["shmtensor"] == out["stdlib"]
+
+
+@pytest.mark.skipif("fork" not in START_METHODS, reason="needs the fork start method")
+def test_python_m_package_main_goes_by_reference(tmp_path, lc):
+    """``python -m pkg``: a main file the stdlib's spawn does not import; under fork its
+    objects are the child's own, as with the stdlib (under spawn both fail alike)."""
+    out = run_script(tmp_path, POOL_GLOBAL, "fork", as_package=True)
     assert out["stdlib"] == [10, 11]
     assert out["shmtensor"] == out["stdlib"]
 
@@ -302,24 +320,45 @@ class _Unpicklable:
 @pytest.mark.parametrize("method", [m for m in ("spawn", "forkserver") if m in START_METHODS])
 def test_process_fallback_passes_each_fd_once(method, lc):
     """A spawned Process whose arguments hold a stdlib Connection (its fd is registered with
-    the child as it is pickled) and then a lambda: the first try fails after registering the
-    fd, the by-value try registers it again; the child must get it once and work."""
+    the child as it is pickled), a shared array, then a lambda: the first try fails after
+    registering the fd, the by-value try registers it again; the child must get each fd
+    once, and the array must be the parent's memory."""
     ctx = smp.get_context(method)
     here, there = multiprocessing.Pipe()
+    shared = shmtensor.zeros(4, dtype=np.int64)
     try:
-        p = ctx.Process(target=_send_result, args=(there, lambda: 42))
+        p = ctx.Process(target=_fill_and_send, args=(there, shared, lambda: 42))
         p.start()
         assert here.poll(JOIN)
         assert here.recv() == 42
         p.join(JOIN)
         assert p.exitcode == 0
+        assert shared.tolist() == [42] * 4
     finally:
         here.close()
         there.close()
 
 
-def _send_result(conn, fn):
+def _fill_and_send(conn, arr, fn):
+    arr[:] = fn()
     conn.send(fn())
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_fallback_after_a_large_array_was_copied(method, lc):
+    """The first try copies a large array into a segment, then fails on a lambda; the
+    by-value try copies it again: the array arrives whole and nothing is left behind."""
+    ctx = smp.get_context(method)
+    q = ctx.Queue()
+    try:
+        big = np.arange(1 << 18, dtype=np.float64)
+        q.put([big, lambda: 7, big[1:3]])
+        arr, fn, view = q.get(timeout=JOIN)
+        assert fn() == 7 and np.array_equal(arr, big) and view.tolist() == [1.0, 2.0]
+        del arr, view
+    finally:
+        q.close()
+        q.join_thread()
 
 
 def test_unpicklable_raises_the_stdlib_error(lc):
