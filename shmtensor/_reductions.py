@@ -375,10 +375,12 @@ def _main_by_reference() -> bool:
 def _named_in_main(obj) -> bool:
     """``obj`` (a function or class) is ``__main__``'s, found there by its name, and
     ``__main__`` goes by name (:func:`_main_by_reference`)."""
-    if getattr(obj, "__module__", None) != "__main__" or not _main_by_reference():
+    qualname = getattr(obj, "__qualname__", None)
+    if (getattr(obj, "__module__", None) != "__main__" or not isinstance(qualname, str)
+            or not _main_by_reference()):
         return False
     found = sys.modules["__main__"]
-    for part in obj.__qualname__.split("."):  # '<locals>' is never found
+    for part in qualname.split("."):  # '<locals>' is never found
         found = getattr(found, part, None)
     return found is obj
 
