@@ -24,7 +24,9 @@ import io
 import pickle
 import sys
 import threading
+import types
 from collections import ChainMap
+from collections.abc import Callable
 from multiprocessing.pool import ExceptionWithTraceback, rebuild_exc
 from multiprocessing.reduction import ForkingPickler
 
@@ -352,7 +354,47 @@ class _Pickler(pickle.Pickler):
 
 class _CloudPickler(cloudpickle.Pickler):
     """The fallback: the same reducers, and functions or classes that cannot be imported
-    by name (lambdas, closures, ``__main__``, notebooks) travel by value (cloudpickle)."""
+    by name (lambdas, closures, those of a ``__main__`` without a main file) travel by
+    value (cloudpickle).  What a by-value function names in ``__main__`` still goes by
+    name where the fast pickler would send it so: the receiver's own function or class,
+    with its globals and identity (cloudpickle sends all of ``__main__`` by value)."""
+
+    def reducer_override(self, obj):
+        t = type(obj)
+        if (t is types.FunctionType or issubclass(t, type)) and _named_in_main(obj):
+            return NotImplemented  # pickle's save_global: by name, as the stdlib does
+        return super().reducer_override(obj)
+
+
+_main_seen: tuple = (None, False)  # the __main__ module last looked at, and the verdict
+
+
+def _main_by_reference() -> bool:
+    """Whether ``__main__``'s functions and classes go by name, as the stdlib sends them:
+    when the main module is a file.  A child started by spawn or forkserver then imports it
+    again (as ``__mp_main__``, which multiprocessing aliases to ``__main__``), and a forked
+    child has it.  A session without a main file (``python -c``, a REPL, a notebook) has
+    nothing a spawned child could import: its functions and classes travel by value."""
+    global _main_seen
+    main, ok = _main_seen
+    if sys.modules.get("__main__") is not main:
+        main = sys.modules.get("__main__")
+        ok = getattr(main, "__file__", None) is not None
+        _main_seen = (main, ok)
+    return ok
+
+
+def _named_in_main(obj) -> bool:
+    """``obj`` (a function or class) is ``__main__``'s, found there by its name, and
+    ``__main__`` goes by name (:func:`_main_by_reference`)."""
+    qualname = getattr(obj, "__qualname__", None)
+    if (getattr(obj, "__module__", None) != "__main__" or not isinstance(qualname, str)
+            or not _main_by_reference()):
+        return False
+    found = sys.modules["__main__"]
+    for part in qualname.split("."):  # '<locals>' is never found
+        found = getattr(found, part, None)
+    return found is obj
 
 
 def _dump(pickler_cls, obj) -> tuple[memoryview, SendContext]:
@@ -371,18 +413,24 @@ def _dump(pickler_cls, obj) -> tuple[memoryview, SendContext]:
 
 
 _SCAN_MAIN_UPTO = 1 << 16  # larger messages are data; a function in one is sent by name
+# what the fast pickler raises for what it cannot pickle by name (a lambda: PicklingError;
+# a local function: AttributeError; a lock: TypeError)
+_BY_NAME_ERRORS = (pickle.PicklingError, AttributeError, TypeError)
 
 
-def dumps(obj, by_value: bool = False) -> tuple[memoryview, SendContext]:
+def dumps(obj, undo: Callable[[], object] | None = None) -> tuple[memoryview, SendContext]:
     """Pickle ``obj`` for a shmtensor channel: the bytes and what must travel with them.
 
-    The fast pickler goes first; a message it cannot pickle (a lambda, a closure) or that
-    names ``__main__`` (which a spawned child or a notebook may not be able to import) is
-    pickled again with cloudpickle.  ``by_value`` goes to cloudpickle at once: for
-    pickling with side effects that must not happen twice (a process being spawned)."""
-    if by_value:
-        _Pickler.refresh()
-        return _dump(_CloudPickler, obj)
+    By reference first, as the stdlib pickles (the fast pickler); by value (cloudpickle)
+    only when that fails (a lambda, a closure) or when the message names a ``__main__``
+    without a main file, which a spawned child cannot import (see
+    :func:`_main_by_reference`; messages over 64 KiB are not searched for it).  When both
+    fail, the first error is raised, as the stdlib would raise it.
+
+    ``undo`` is for a message pickled with side effects outside itself (a spawned
+    Process's arguments register their fds with the stdlib's popen as they are pickled):
+    it is called before a second try, so nothing is registered twice, and the whole
+    message is searched for ``__main__``."""
     lane = _Pickler.lanes.get(type(obj))
     if lane is None:  # none, or not yet: refresh() finds the lanes (CuPy's once imported)
         _Pickler.refresh()
@@ -394,12 +442,28 @@ def dumps(obj, by_value: bool = False) -> tuple[memoryview, SendContext]:
         _Pickler.refresh()
     try:
         data, ctx = _dump(_Pickler, obj)
-    except (pickle.PicklingError, AttributeError, TypeError):
+    except _BY_NAME_ERRORS as e:
+        return _dump_by_value(obj, undo, e)
+    if _main_by_reference() or (undo is None and len(data) > _SCAN_MAIN_UPTO) or (
+            b"__main__" not in data.tobytes()):
+        return data, ctx
+    ctx.release()
+    return _dump_by_value(obj, undo, None)
+
+
+def _dump_by_value(obj, undo, first: BaseException | None) -> tuple[memoryview, SendContext]:
+    """The second try, after ``first`` (the fast pickler's error, if it failed)."""
+    if undo is not None:
+        undo()
+    try:
         return _dump(_CloudPickler, obj)
-    if len(data) <= _SCAN_MAIN_UPTO and b"__main__" in data.tobytes():
-        ctx.release()
-        return _dump(_CloudPickler, obj)
-    return data, ctx
+    except Exception as e:
+        if first is None:
+            raise
+        if hasattr(first, "add_note"):  # Python 3.11+
+            first.add_note(f"(shmtensor also tried to pickle it by value, with cloudpickle: "
+                           f"{type(e).__name__}: {e})")
+        raise first from None
 
 
 class _RecvContext:

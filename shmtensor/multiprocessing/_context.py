@@ -3,7 +3,8 @@
 Each is a real ``multiprocessing`` context (a subclass of the stdlib's fork, spawn or
 forkserver context) with shmtensor's factories, so it goes wherever a context is accepted.
 Under spawn and forkserver a Process pickles its target and arguments with shmtensor's
-reducers, and their fds go to the child with the process itself; the child needs no set-up.
+reducers (by reference as the stdlib does, by value when that fails), and their fds go to
+the child with the process itself; the child needs no set-up.
 """
 
 from __future__ import annotations
@@ -17,17 +18,34 @@ from .._connection import Pipe as _Pipe
 from .. import _queues
 
 
+def _forget_new_fds(popen):
+    """A function that drops the fds registered with ``popen`` from now on (the stdlib's
+    spawn and forkserver popens list them in ``_fds`` as ``reduction.DupFd`` is called): a
+    spawned child must get each fd once (spawn refuses a repeated one)."""
+    fds = getattr(popen, "_fds", None)
+    if not isinstance(fds, list):
+        return lambda: None
+    n = len(fds)
+
+    def forget() -> None:
+        del fds[n:]
+    return forget
+
+
 class _ShmProcess:
     """Pickles target and args with shmtensor's reducers when spawned (fork needs nothing)."""
 
     def __getstate__(self):
         state = self.__dict__.copy()
         state.pop("_shm_send", None)
-        if _mpctx.get_spawning_popen() is None:
+        popen = _mpctx.get_spawning_popen()
+        if popen is None:
             return state
         payload = (self._target, self._args, self._kwargs,
                    _strategy.get_sharing_strategy(), _strategy.get_inline_threshold())
-        data, ctx = _reductions.dumps(payload, by_value=True)  # fds go to the child once
+        # by reference as the stdlib pickles it, by value if that fails: a failed first
+        # try may have registered fds with the popen, which a second would register again
+        data, ctx = _reductions.dumps(payload, undo=_forget_new_fds(popen))
         self._shm_send = ctx  # the fds must stay open until the child has them (start())
         state["_target"], state["_args"], state["_kwargs"] = None, (), {}
         state["_shm_payload"] = (bytes(data), [reduction.DupFd(fd) for fd in ctx.wire_fds()])

@@ -1,9 +1,11 @@
 """``Pool``: the stdlib's process pool on shmtensor channels, that notices dead workers.
 
-Tasks and results cross on shmtensor SimpleQueues, so arrays go zero-copy and lambdas,
-closures and ``__main__`` functions work under spawn (cloudpickle).  A worker's exception
-is raised in the caller as itself, with the worker's traceback as ``__cause__``, or as a
-:class:`RemoteError` naming its type when that type cannot be rebuilt here.
+Tasks and results cross on shmtensor SimpleQueues, so arrays go zero-copy; functions
+go by name as with the stdlib (a ``__main__`` function is the worker's own, with its
+globals), and lambdas and closures, which the stdlib cannot send, by value (cloudpickle).
+A worker's exception is raised in the caller as itself, with the worker's traceback as
+``__cause__``, or as a :class:`RemoteError` naming its type when that type cannot be
+rebuilt here.
 
 The stdlib's pool waits forever when a worker dies mid-task.  Here a watcher thread wakes
 on every worker's exit (every worker the pool ever started, replacements included, until

@@ -191,8 +191,9 @@ def spawn(fn, args=(), nprocs: int = 1, join: bool = True, daemon: bool = False,
           start_method: str = "spawn"):
     """Run ``fn(rank, *args)`` in ``nprocs`` processes (``rank`` = 0..nprocs-1).
 
-    ``fn`` may be a lambda or a closure (it is pickled with cloudpickle).  With ``join``
-    (the default) this returns when every child exited and raises on the first failure;
-    with ``join=False`` it returns a :class:`ProcessContext` to ``join(timeout)`` yourself.
+    ``fn`` may be a lambda or a closure (it then goes by value, with cloudpickle).  With
+    ``join`` (the default) this returns when every child exited and raises on the first
+    failure; with ``join=False`` it returns a :class:`ProcessContext` to ``join(timeout)``
+    yourself.
     """
     return start_processes(fn, args, nprocs, join, daemon, start_method)
