@@ -157,7 +157,7 @@ def _main(sock_fd: int, lease_fds: list[int]) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:  # one fd per tracked segment: take all the fds we may
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    names: dict[str, int] = {}
+    names: dict[str, set[int]] = {}  # a file may hold several segments (a BatchPool's)
     locks = _Locks()
     sock = socket.socket(fileno=sock_fd)
     buf = b""
@@ -176,18 +176,19 @@ def _main(sock_fd: int, lease_fds: list[int]) -> None:
             op, rest = line[:1], line[1:].decode()
             slot, name = rest.split(" ", 1)
             if op == b"+":
-                names[name] = int(slot)
-                locks.add(name)
+                names.setdefault(name, set()).add(int(slot))
+                if name not in locks.fds:
+                    locks.add(name)
             else:
                 names.pop(name, None)
                 locks.drop(name)
     locks.retry()
     delay = 0.05
     while names:
-        for name, slot in list(names.items()):
+        for name, slots in list(names.items()):
             # the creator's own descriptions of its table files take no locks: they see
             # every holder's
-            held = probe_held(lease_fds[slot % len(lease_fds)], slot)
+            held = any(probe_held(lease_fds[slot % len(lease_fds)], slot) for slot in slots)
             if not held or not os.path.exists(os.path.join(posix_shm.SHM_DIR, name)):
                 posix_shm.unlink_named(name)
                 locks.drop(name)

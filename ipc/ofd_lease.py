@@ -41,7 +41,7 @@ import resource
 import struct
 import threading
 
-from .posix_shm import PREFIX, process_tag
+from .posix_shm import PREFIX, fd_limit_error, process_tag
 from .scm_rights import close_fds
 
 __all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "hold_sole",
@@ -63,7 +63,10 @@ def _reopen(fd: int) -> int:
     path = _paths.get(fd)
     if path is None:
         path = _paths[fd] = f"/proc/self/fd/{fd}"
-    return os.open(path, _REOPEN)
+    try:
+        return os.open(path, _REOPEN)
+    except OSError as e:
+        raise fd_limit_error(e, "a lease description") from None
 
 
 def _setlk(fd: int, kind: int, slot: int) -> None:

@@ -26,6 +26,7 @@ import sys
 __all__ = [
     "PREFIX", "SHM_DIR", "HAVE_MEMFD", "ShmSpaceError", "process_tag", "segment_name", "segment_key",
     "parse_name", "create_memfd", "create_named", "open_named", "unlink_named", "map_fd", "Mapping",
+    "fd_limit_error",
 ]
 
 PREFIX = "shmtensor"
@@ -94,6 +95,23 @@ def _space_error(size: int, named: bool, err: OSError) -> ShmSpaceError:
     return ShmSpaceError(errno.ENOSPC, msg)
 
 
+def fd_limit_error(err: OSError, what: str) -> OSError:
+    """``err`` (EMFILE/ENFILE) as an error that names the limit and the fix; others as is."""
+    if err.errno not in (errno.EMFILE, errno.ENFILE):
+        return err
+    import resource
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        n = len(os.listdir("/proc/self/fd"))
+    except OSError:  # which itself needs an fd
+        n = soft if err.errno == errno.EMFILE else "?"
+    scope = "this process" if err.errno == errno.EMFILE else "the whole system"
+    return OSError(err.errno, f"no file descriptor left for {what} ({scope}: {n} open, "
+                   f"ulimit -n {soft}): raise the limit (ulimit -n, or "
+                   "resource.setrlimit(RLIMIT_NOFILE)), or keep fewer received arrays, "
+                   "queues and connections alive")
+
+
 def _available(named: bool) -> int:
     if named:
         st = os.statvfs(SHM_DIR)  # shutil.disk_usage's free, without importing shutil
@@ -125,7 +143,10 @@ def create_memfd(name: str, size: int) -> int:
     if not HAVE_MEMFD:
         raise OSError(errno.ENOSYS, "memfd_create is not available on this platform: use the "
                       "file_system sharing strategy")
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    except OSError as e:
+        raise fd_limit_error(e, "a new shared-memory segment") from None
     try:
         _reserve(fd, size, named=False)
     except BaseException:
@@ -137,7 +158,10 @@ def create_memfd(name: str, size: int) -> int:
 def create_named(name: str, size: int) -> int:
     """A segment at /dev/shm/NAME (mode 0600, must not exist), every page reserved."""
     path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise fd_limit_error(e, "a new shared-memory segment") from None
     try:
         _reserve(fd, size, named=True)
     except BaseException:
@@ -155,6 +179,8 @@ def open_named(name: str) -> int:
             errno.ENOENT, f"shared-memory segment {name!r} is gone from {SHM_DIR}: its creator "
             "released it before this process attached (was the message read after every holder "
             "let go?), or something outside shmtensor removed it") from None
+    except OSError as e:
+        raise fd_limit_error(e, f"attaching segment {name!r}") from None
 
 
 def unlink_named(name: str) -> bool:
@@ -176,12 +202,12 @@ class Mapping:
 
     __slots__ = ("address", "size", "buffer")
 
-    def __init__(self, fd: int, size: int, populate: bool = False) -> None:
+    def __init__(self, fd: int, size: int, populate: bool = False, offset: int = 0) -> None:
         flags = mmap.MAP_SHARED
         if populate and size >= _POPULATE_FROM:
             flags |= _MAP_POPULATE
         length = max(size, 1)
-        addr = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+        addr = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
         if addr in (None, _MAP_FAILED):
             err = ctypes.get_errno()
             raise OSError(err, f"cannot map a {_mb(length)} segment: {os.strerror(err)}"
@@ -197,9 +223,10 @@ class Mapping:
             _libc.munmap(self.address, self.size)
 
 
-def map_fd(fd: int, size: int, populate: bool = False) -> Mapping:
-    """Map ``size`` bytes of ``fd`` shared and writable (at least one byte: mmap needs it)."""
-    return Mapping(fd, size, populate)
+def map_fd(fd: int, size: int, populate: bool = False, offset: int = 0) -> Mapping:
+    """Map ``size`` bytes of ``fd`` from ``offset`` (a page multiple) shared and writable
+    (at least one byte: mmap needs it)."""
+    return Mapping(fd, size, populate, offset)
 
 
 if sys.platform != "linux":  # pragma: no cover - documented platform limits

@@ -32,12 +32,8 @@ class BatchPool:
         self.shape, self.dtype, self.order = _shape(shape), np.dtype(dtype), order
         nbytes = self.dtype.itemsize * int(np.prod(self.shape, dtype=np.int64))
         kind = _strategy.get_sharing_strategy()
-        self._segments = []
-        for _ in range(slots):
-            seg, anchor = _segments.acquire(nbytes, kind)
-            _segments.pin(seg)  # while its anchor lives: never idle, never reused meanwhile
-            del anchor
-            self._segments.append(seg)
+        # one file for every slot (one fd, one mapping per slot), one lease per slot
+        self._segments = _segments.acquire_many(nbytes, kind, slots)
         self._next = 0
         self._pid = os.getpid()
 

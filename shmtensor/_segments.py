@@ -65,7 +65,7 @@ class Segment:
     """One segment mapped in this process, made here (``own``) or attached from elsewhere."""
 
     __slots__ = ("key", "kind", "size", "table_id", "slot", "own", "mm", "fd", "address",
-                 "_anchor", "idle_since", "pinned", "slab", "__weakref__")
+                 "_anchor", "idle_since", "pinned", "slab", "file", "__weakref__")
 
     def anchor(self, lease_fd: int | None = None, deferred: list | None = None) -> np.ndarray:
         """The live anchor (made, and the lease held, if none is alive).  ``lease_fd``: a
@@ -103,18 +103,48 @@ class Segment:
                 _by_buffer.pop(id(self.mm.buffer), None)
                 self.mm.close()
                 self.mm = None
-            if self.fd is not None:
+            if self.file is not None:  # one of several segments of one file
+                self.file.release()
+                self.file = None
+            elif self.fd is not None:
                 try:
                     os.close(self.fd)
                 except OSError:
                     pass
                 if not self.own:
                     _kept_fds -= 1
-                self.fd = None
+            self.fd = None
             if _by_key.get(self.key) is self:
                 del _by_key[self.key]
             _cache_drop(self)
             _own_idle_drop(self)
+
+
+class _SharedFile:
+    """A file that holds several own segments, each with its own lease (a BatchPool's
+    slots): its fd is closed, and its name unlinked, when the last of them is destroyed."""
+
+    __slots__ = ("fd", "name", "users")
+
+    def __init__(self, fd: int | None, name: str | None, users: int) -> None:
+        self.fd, self.name, self.users = fd, name, users
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+            if self.name is not None:
+                posix_shm.unlink_named(self.name)
+                janitor.untrack(self.name)
+
+
+def file_of(key: str) -> tuple[str, int]:
+    """The file name and offset of segment ``key``: ``NAME`` or ``NAME@OFFSET`` (one of
+    several segments of one file)."""
+    name, _, offset = key.partition("@")
+    return name, int(offset) if offset else 0
 
 
 _lock = threading.RLock()  # everything below; re-entrant: a GC pass may run a finalizer here
@@ -338,11 +368,62 @@ def _destroy(seg: Segment) -> None:
         _mark_slab(seg, False)
         _slab_size[seg.kind] = max(SLAB_MIN, min(_slab_size.get(seg.kind, SLAB_MIN),
                                                  seg.size) // 2)
-    seg.close()
-    if seg.kind == FS:
+    shared = seg.file is not None
+    seg.close()  # a segment of a shared file: the file goes with the last of them
+    if seg.kind == FS and not shared:
         posix_shm.unlink_named(seg.key)
         janitor.untrack(seg.key)
     _stats.bump("segments_destroyed")
+
+
+def acquire_many(nbytes: int, kind: str, count: int) -> list[Segment]:
+    """``count`` pinned own segments of ``nbytes`` each, carved from one file (one fd, one
+    name), each with its own lease, so each is free again on its own (a BatchPool's
+    slots).  Unpinned, they are reused like any other segment."""
+    cap = _capacity(nbytes)
+    table = ofd_lease.own_table()
+    slots = [table.new_slot() for _ in range(count)]
+    name = posix_shm.segment_name(slots[0])
+    size = cap * count
+    with _lock:
+        if kind == FD:
+            fd = posix_shm.create_memfd(name, size)
+        else:
+            for slot in slots:  # told first: a SIGKILL before the file exists leaks nothing
+                janitor.track(name, slot, table.fds)
+            try:
+                fd = posix_shm.create_named(name, size)
+            except BaseException:
+                janitor.untrack(name)
+                raise
+        shared = _SharedFile(fd if kind == FD else None, name if kind == FS else None, 0)
+        segs: list[Segment] = []
+        try:
+            for i, slot in enumerate(slots):
+                key = f"{name}@{i * cap}"
+                seg = new_segment(key, kind, cap, table.id, slot, own=True, fd=fd,
+                                  populate=True)
+                seg.pinned = True
+                seg.file = shared
+                shared.users += 1
+                _by_key[key] = seg
+                segs.append(seg)
+        except BaseException:
+            for seg in segs:
+                seg.close()
+            if not segs:
+                shared.users = 1
+                shared.release()
+            raise
+        finally:
+            if kind == FS:
+                os.close(fd)  # attached by name
+        if kind == FS:
+            for seg in segs:
+                seg.fd = None
+    _stats.bump("segments_created", count)
+    _stats.bump("bytes_created", size)
+    return segs
 
 
 def trim(force: bool = False) -> int:
@@ -390,7 +471,7 @@ def receive(key: str, kind: str, size: int, table_id: str, slot: int, fd: int | 
         seg = _by_key.get(key)
         if seg is not None and seg.mm is not None:
             return seg.anchor(lease_fd, deferred), False
-        mapfd = fd if kind == FD else posix_shm.open_named(key)
+        mapfd = fd if kind == FD else posix_shm.open_named(file_of(key)[0])
         try:
             seg = new_segment(key, kind, size, table_id, slot, own=False, fd=mapfd)
         except BaseException:
@@ -421,7 +502,8 @@ def new_segment(key, kind, size, table_id, slot, own, fd, populate=False) -> Seg
     seg.idle_since = time.monotonic()
     seg.pinned = False  # reserved by a BatchPool: never reused by acquire
     seg.slab = False
-    seg.mm = posix_shm.map_fd(fd, size, populate)
+    seg.file = None
+    seg.mm = posix_shm.map_fd(fd, size, populate, file_of(key)[1])
     seg.address = seg.mm.address
     _by_buffer[id(seg.mm.buffer)] = seg
     return seg
@@ -505,11 +587,18 @@ def _after_fork_in_child() -> None:
     _lock = threading.RLock()
     _sweeper = None
     _next_trim = 0.0
+    files: dict[int, _SharedFile] = {}  # the parent's shared files -> the child's copies
     for seg in list(_by_key.values()):
         if seg.own:
             seg.own = False  # attached, as far as this child is concerned
             seg.slab = False
-            if seg.fd is not None:
+            if seg.file is not None:  # the inherited fd is closed with the last segment
+                mine = files.get(id(seg.file))
+                if mine is None:
+                    mine = files[id(seg.file)] = _SharedFile(seg.file.fd, None, 0)
+                mine.users += 1
+                seg.file = mine
+            elif seg.fd is not None:
                 _kept_fds += 1
     for idle in _own_idle.values():
         for seg in list(idle.values()):

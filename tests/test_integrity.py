@@ -340,3 +340,99 @@ def test_clean_in_another_pid_namespace_keeps_a_live_named_segment(lc):
     del b
     q.close()
     q.join_thread()
+
+
+# BatchPool slots: one file, a lease each ----------------------------------------------------
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_batch_pool_slots_share_one_file_and_free_one_by_one(strategy, lc):
+    shmtensor.empty_cache()
+    _segments.ofd_lease.own_table()  # made once per process: not the pool's
+    ofd = _fds()
+    pool = shmtensor.BatchPool((1000,), np.float32, slots=16)
+    segs = pool._segments
+    assert len({_segments.file_of(s.key)[0] for s in segs}) == 1
+    assert _fds() - ofd <= (1 if strategy == "file_descriptor" else 0) + 1  # + a janitor socket
+    ctx = smp.get_context("spawn")
+    q, back = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_keep_some, args=(q, back, 16))
+    p.start()
+    for i in range(16):
+        a = pool.acquire(timeout=JOIN)
+        a[:] = i
+        q.put(a)
+        del a
+    assert back.get(timeout=JOIN) == "kept odd ones"
+    # the consumer let go of the even slots only: exactly those are free again
+    got = []
+    while (a := pool.try_acquire()) is not None:
+        got.append(a)
+    assert len(got) == 8
+    assert sorted(int(a[0]) for a in got) == list(range(0, 16, 2))
+    q.put(None)
+    join_all(p)
+    _check_exit(p)
+    del got, a
+    assert pool.acquire(timeout=JOIN) is not None  # the consumer's exit frees the rest
+    pool.close()
+    q.close()
+    back.close()
+
+
+def _keep_some(q, back, n):
+    kept = []
+    for i in range(n):
+        a = q.get(timeout=60)
+        assert (a == i).all()
+        if i % 2:
+            kept.append(a)
+        del a
+    back.put("kept odd ones")
+    assert q.get(timeout=60) is None
+    assert all((a == 2 * k + 1).all() for k, a in enumerate(kept))
+
+
+def test_batch_pool_file_is_reclaimed_after_its_creator_is_killed(strategy, lc):
+    """A consumer keeps one slot of a killed producer's pool: the file stays while it is
+    held, and nothing is left once the consumer lets go."""
+    from test_crash import _left_by, _wait_clean
+    ctx = smp.get_context("spawn")
+    q, go = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_pool_producer, args=(q, go))
+    p.start()
+    a = q.get(timeout=JOIN)
+    os.kill(p.pid, 9)
+    p.join(JOIN)
+    assert p.exitcode == -9
+    assert (a == 5).all()
+    if strategy == "file_system":
+        assert _left_by(p.pid)[0]  # still named: a slot of it is held here
+    del a
+    q.close()
+    q.join_thread()
+    shmtensor.empty_cache()  # this process's cached mapping of the file
+    named, mapped = _wait_clean(p.pid)
+    assert not named and not mapped, (named, mapped)
+
+
+def _pool_producer(q, go):
+    pool = shmtensor.BatchPool((256,), np.int64, slots=4)
+    a = pool.acquire()
+    a[:] = 5
+    q.put(a)
+    go.wait(60)
+
+
+def test_running_out_of_fds_says_which_limit_and_the_fix():
+    code = ("import resource, numpy as np, shmtensor\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, "
+            "(24, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+            "keep = [shmtensor.empty(2_000_000, dtype=np.uint8) for _ in range(100)]\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert "Too many open files" not in last and "ulimit -n 24" in last, last
+    assert "raise the limit" in last
