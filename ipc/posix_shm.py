@@ -79,7 +79,8 @@ def parse_name(name: str) -> tuple[int, str, str] | None:
 
 
 def _mb(n: float) -> str:
-    return f"{n / 2**20:,.0f} MB" if n >= 2**20 else f"{n / 1024:,.1f} KB"
+    """A size for messages, in binary units (1 MiB = 2**20 bytes, as the sizes here are)."""
+    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 1024:,.1f} KiB"
 
 
 def _space_error(size: int, named: bool, err: OSError) -> ShmSpaceError:

@@ -27,9 +27,17 @@ class BatchPool:
 
     def __init__(self, shape, dtype=np.float32, slots: int = 4, order: str = "C") -> None:
         from ._alloc import _shape
+        if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)):
+            raise TypeError(f"slots is a number of batch slots, an int >= 1; got "
+                            f"{type(slots).__name__} {slots!r}")
         if slots < 1:
             raise ValueError(f"a BatchPool needs at least one slot, got slots={slots}")
+        if order not in ("C", "F"):
+            raise ValueError(f"order must be 'C' or 'F', got {order!r}")
         self.shape, self.dtype, self.order = _shape(shape), np.dtype(dtype), order
+        if self.dtype.hasobject:
+            raise TypeError(f"dtype {self.dtype} holds Python objects, which cannot live in "
+                            "shared memory: use a numeric or structured dtype without objects")
         nbytes = self.dtype.itemsize * int(np.prod(self.shape, dtype=np.int64))
         kind = _strategy.get_sharing_strategy()
         # one file for every slot (one fd, one mapping per slot), one lease per slot

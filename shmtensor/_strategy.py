@@ -1,8 +1,23 @@
-"""Sharing strategies and the inline threshold: process-wide settings with set/get verbs."""
+"""Sharing strategies and the inline threshold: process-wide settings with set/get verbs.
+
+Both start from the environment, checked when shmtensor is imported (a bad value fails the
+import with an error naming the variable and what it accepts, rather than failing later
+in a finalizer):
+
+* ``SHMTENSOR_SHARING_STRATEGY``: ``file_descriptor`` or ``file_system``.
+* ``SHMTENSOR_INLINE_THRESHOLD``: bytes, as digits with an optional binary suffix,
+  case-insensitive: ``81920``, ``80k`` / ``80KiB`` (x 1024), ``1M`` / ``1MiB``,
+  ``1G`` / ``1GiB``.  Decimal units (``80KB``, ``80kB``) are refused: whether they mean
+  1000 or 1024 is a guess this setting does not make.
+
+An empty variable counts as unset.
+"""
 
 from __future__ import annotations
 
+import operator
 import os
+import re
 
 from shmtensor.ipc.posix_shm import HAVE_MEMFD
 
@@ -17,13 +32,52 @@ _ALL = (FILE_DESCRIPTOR, FILE_SYSTEM) if HAVE_MEMFD else (FILE_SYSTEM,)
 # docs/benchmarks.md.
 DEFAULT_INLINE_THRESHOLD = 80 * 1024
 
+# The largest threshold accepted: 256 TiB, the 48-bit virtual address space of x86-64 and
+# aarch64 (4-level page tables).  No array can be larger, so this value already means
+# "inline everything"; anything above it can only be a unit mistake.
+MAX_INLINE_THRESHOLD = 1 << 48
 
-def _from_env(name: str, default):
-    return os.environ.get(name) or default
+_SUFFIXES = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+             "g": 1 << 30, "gib": 1 << 30}
+_SIZE = re.compile(r"\s*(\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+_SIZE_FORMS = "bytes as digits, optionally with a binary suffix: 81920, 80k, 80KiB, 1M, 1GiB"
 
 
-_strategy = _from_env("SHMTENSOR_SHARING_STRATEGY", _ALL[0])
-_inline_threshold = int(_from_env("SHMTENSOR_INLINE_THRESHOLD", DEFAULT_INLINE_THRESHOLD))
+def _strategy_error(strategy: object, where: str) -> ValueError:
+    return ValueError(f"{where}{strategy!r} is not a sharing strategy: use one of "
+                      f"{', '.join(_ALL)}")
+
+
+def _check_threshold(nbytes: int, where: str) -> int:
+    if nbytes < 0 or nbytes > MAX_INLINE_THRESHOLD:
+        raise ValueError(
+            f"{where}{nbytes} is out of range: the inline threshold is a non-negative number "
+            f"of bytes, from 0 (every array through shared memory) to 2**48 = "
+            f"{MAX_INLINE_THRESHOLD} (256 TiB, more than any array can be: every array inline)")
+    return nbytes
+
+
+def parse_size(text: str, where: str = "") -> int:
+    """Bytes from ``81920``, ``80k``, ``80KiB``, ``1M``, ``1MiB``, ``1G``, ``1GiB``."""
+    m = _SIZE.fullmatch(text)
+    factor = _SUFFIXES.get(m.group(2).lower()) if m else None
+    if factor is None:
+        raise ValueError(f"{where}{text!r} is not a size: write {_SIZE_FORMS} "
+                         f"(1k = 1024 bytes; the default is {DEFAULT_INLINE_THRESHOLD // 1024}k)")
+    return _check_threshold(int(m.group(1)) * factor, where)
+
+
+def _from_env() -> tuple[str, int]:
+    strategy = os.environ.get("SHMTENSOR_SHARING_STRATEGY") or _ALL[0]
+    if strategy not in _ALL:
+        raise _strategy_error(strategy, "SHMTENSOR_SHARING_STRATEGY=")
+    raw = os.environ.get("SHMTENSOR_INLINE_THRESHOLD")
+    threshold = (parse_size(raw, "SHMTENSOR_INLINE_THRESHOLD=") if raw and raw.strip()
+                 else DEFAULT_INLINE_THRESHOLD)
+    return strategy, threshold
+
+
+_strategy, _inline_threshold = _from_env()
 
 
 def get_all_sharing_strategies() -> set[str]:
@@ -39,9 +93,8 @@ def set_sharing_strategy(strategy: str) -> None:
     """``file_descriptor`` (memfds passed with each message: nothing in /dev/shm, ever) or
     ``file_system`` (named /dev/shm segments, attached by name; a janitor unlinks them)."""
     global _strategy
-    if strategy not in _ALL:
-        raise ValueError(f"unknown sharing strategy {strategy!r}: choose one of "
-                         f"{', '.join(sorted(_ALL))}")
+    if not isinstance(strategy, str) or strategy not in _ALL:
+        raise _strategy_error(strategy, "")
     _strategy = strategy
 
 
@@ -50,8 +103,17 @@ def get_inline_threshold() -> int:
 
 
 def set_inline_threshold(nbytes: int) -> None:
-    """Arrays under ``nbytes`` travel inside the message; the rest through shared memory."""
+    """Arrays under ``nbytes`` travel inside the message; the rest through shared memory.
+
+    ``nbytes`` is an int from 0 to 2**48 (see ``MAX_INLINE_THRESHOLD``); a bool is not a
+    size and is refused."""
     global _inline_threshold
-    if not isinstance(nbytes, int) or nbytes < 0:
-        raise ValueError(f"inline threshold must be a non-negative int of bytes, got {nbytes!r}")
-    _inline_threshold = nbytes
+    if isinstance(nbytes, bool):
+        raise TypeError(f"the inline threshold is a number of bytes, not a bool ({nbytes!r}): "
+                        "pass an int such as 81920")
+    try:
+        nbytes = operator.index(nbytes)
+    except TypeError:
+        raise TypeError(f"the inline threshold is an int number of bytes, got "
+                        f"{type(nbytes).__name__} {nbytes!r}") from None
+    _inline_threshold = _check_threshold(nbytes, "inline threshold ")

@@ -4,6 +4,8 @@
   shmtensor clean [--dry-run]                  remove what no live process can still use
   shmtensor leak-check [--json] [--timeout S] -- CMD ARGS...
                                                run CMD, report what its process tree left
+
+Sizes are binary: 1 KiB = 1024 bytes, 1 MiB = 1024 KiB.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import argparse
 import ctypes
 import json
 import os
+import signal
+import stat
 import subprocess
 import sys
 import time
@@ -23,6 +27,18 @@ from shmtensor.ipc import janitor, posix_shm, procfs
 LEAK_EXIT = 97  # leak-check's exit status when the command leaked (distinct for CI)
 
 
+def _say(text: str, stream=None) -> None:
+    """Print a line; once the reader has gone (``| head``), drop the rest of the output
+    quietly instead of failing with BrokenPipeError."""
+    stream = sys.stdout if stream is None else stream
+    try:
+        print(text, file=stream, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())  # the interpreter's last flush goes there too
+        os.close(devnull)
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -31,8 +47,9 @@ def _alive(pid: int) -> bool:
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
+    """``n`` bytes in binary units: 512 B, 8.0 KiB, 1.5 MiB, 2.0 GiB, 1.0 TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
@@ -82,17 +99,19 @@ def _fmt(v, key: str) -> str:
 _LS_COLS = [("name", "NAME"), ("kind", "KIND"), ("size", "SIZE"), ("creator_pid", "CREATOR"),
             ("creator_alive", "STATE"), ("age_s", "AGE(s)"), ("mapped_by", "MAPPED BY"),
             ("fd_held_by", "FD HELD BY")]
+_FILE_COLS = [("name", "NAME"), ("kind", "KIND"), ("size", "SIZE"), ("age_s", "AGE(s)"),
+              ("creator", "CREATOR (first process of the tree seen holding it)")]
 
 
 def cmd_ls(args) -> int:
     rows = segments()
     if args.json:
-        print(json.dumps({"segments": rows}, indent=2))
+        _say(json.dumps({"segments": rows}, indent=2))
     elif not rows:
-        print("no shmtensor segments on this machine")
+        _say("no shmtensor segments on this machine")
     else:
-        print(_table(rows, _LS_COLS))
-        print(f"\n{len(rows)} segment(s), {_size(sum(r['size'] for r in rows))}")
+        _say(_table(rows, _LS_COLS))
+        _say(f"\n{len(rows)} segment(s), {_size(sum(r['size'] for r in rows))}")
     return 0
 
 
@@ -133,11 +152,11 @@ def cmd_clean(args) -> int:
         removed.append(row["name"])
         freed += row["size"]
     for name in failed:
-        print(f"cannot remove /dev/shm/{name}: permission denied (run as its owner or root)")
+        _say(f"cannot remove /dev/shm/{name}: permission denied (run as its owner or root)")
     verb = "would remove" if args.dry_run else "removed"
     for name in removed:
-        print(f"{verb} /dev/shm/{name}")
-    print(f"{verb} {len(removed)} segment(s), {_size(freed)}")
+        _say(f"{verb} /dev/shm/{name}")
+    _say(f"{verb} {len(removed)} segment(s), {_size(freed)}")
     return 0
 
 
@@ -149,66 +168,258 @@ def _become_subreaper() -> None:
         pass
 
 
-def _tree_report(tree: set[int], me: int) -> dict:
-    live = []
-    for child in psutil.Process(me).children(recursive=True):
+def _shm_names() -> dict[str, int]:
+    """Every name in /dev/shm and its inode (a name made again is a new file)."""
+    out = {}
+    try:
+        with os.scandir(posix_shm.SHM_DIR) as entries:
+            for entry in entries:
+                out[entry.name] = entry.inode()
+    except OSError:
+        pass
+    return out
+
+
+def _shm_device() -> tuple[int, int] | None:
+    try:
+        dev = os.stat(posix_shm.SHM_DIR).st_dev
+    except OSError:
+        return None
+    return os.major(dev), os.minor(dev)
+
+
+def _openers(files: dict[int, str], pids) -> dict[str, set[int]]:
+    """For files of /dev/shm given by inode, which of ``pids`` have each open or mapped now
+    (``/proc/PID/fd``, ``/proc/PID/maps``; processes we may not read are skipped).  Matched
+    by inode: glibc's ``sem_open`` maps a temporary name, then links it to the real one."""
+    found: dict[str, set[int]] = {}
+    dev = _shm_device()
+    if not files or dev is None:
+        return found
+    maps_dev = f"{dev[0]:02x}:{dev[1]:02x}".encode()
+    for pid in pids:
         try:
-            if child.status() != psutil.STATUS_ZOMBIE:
-                live.append({"pid": child.pid, "cmdline": " ".join(child.cmdline())[:200]})
-        except psutil.NoSuchProcess:
+            fddir = f"/proc/{pid}/fd"
+            for fd in os.listdir(fddir):
+                try:
+                    if not os.readlink(f"{fddir}/{fd}").startswith(posix_shm.SHM_DIR + "/"):
+                        continue
+                    st = os.stat(f"{fddir}/{fd}")
+                except OSError:
+                    continue
+                name = files.get(st.st_ino)
+                if name is not None and (os.major(st.st_dev), os.minor(st.st_dev)) == dev:
+                    found.setdefault(name, set()).add(pid)
+            with open(f"/proc/{pid}/maps", "rb") as f:
+                for line in f:
+                    parts = line.split(None, 5)
+                    if len(parts) < 6 or parts[3] != maps_dev:
+                        continue
+                    name = files.get(int(parts[4]))
+                    if name is not None:
+                        found.setdefault(name, set()).add(pid)
+        except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
             continue
-    segs = [r for r in segments() if r["creator_pid"] in tree]
-    return {"segments": segs, "processes": live}
+    return found
+
+
+class _TreeWatch:
+    """Follows the command's process tree and the names it makes in /dev/shm.
+
+    A shmtensor name carries its creator's pid.  Any other name (a stdlib ``SharedMemory``,
+    a POSIX semaphore ``sem.*``, anything) is attributed to the first process of the tree
+    seen holding it open or mapped; one that only processes outside the tree hold is
+    theirs, not a leak; one nobody was seen holding is reported with creator "unknown"."""
+
+    def __init__(self, me: int) -> None:
+        self.me = me
+        self.before = _shm_names()
+        self.tree: dict[int, str] = {}        # pid -> command line, for every pid ever seen
+        self.openers: dict[str, list[int]] = {}  # new name -> tree pids seen holding it
+
+    def add(self, pid: int, cmdline: str) -> None:
+        self.tree.setdefault(pid, cmdline)
+
+    def new_names(self) -> dict[str, int]:
+        return {n: ino for n, ino in _shm_names().items() if self.before.get(n) != ino}
+
+    def sample(self) -> None:
+        """Record the tree's new processes and who holds the new, unattributed names."""
+        try:
+            children = psutil.Process(self.me).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        for child in children:
+            if child.pid not in self.tree:
+                try:
+                    self.add(child.pid, " ".join(child.cmdline())[:200])
+                except psutil.Error:
+                    self.add(child.pid, "?")
+        pending = {ino: n for n, ino in self.new_names().items()
+                   if n not in self.openers and posix_shm.parse_name(n) is None}
+        for name, pids in _openers(pending, self.tree).items():
+            self.openers[name] = sorted(pids)
+
+    def files(self) -> list[dict]:
+        """New non-shmtensor names still in /dev/shm that the tree made (or may have)."""
+        new = {n: ino for n, ino in self.new_names().items() if posix_shm.parse_name(n) is None}
+        unseen = {ino: n for n, ino in new.items() if n not in self.openers}
+        others = _openers(unseen, (int(p) for p in os.listdir("/proc")
+                                   if p.isdigit() and int(p) not in self.tree)) if unseen else {}
+        now = time.time()
+        rows = []
+        for name in sorted(set(new) - set(others)):
+            try:
+                st = os.lstat(os.path.join(posix_shm.SHM_DIR, name))
+            except FileNotFoundError:
+                continue
+            pids = self.openers.get(name, [])
+            creator = pids[0] if pids else None
+            kind = ("semaphore" if name.startswith("sem.") else
+                    "directory" if stat.S_ISDIR(st.st_mode) else "file")
+            rows.append({"name": name, "kind": kind, "size": st.st_size,
+                         "creator_pid": creator,
+                         "creator": (f"pid {creator}: {self.tree.get(creator, '?')}"
+                                     if creator is not None else "unknown"),
+                         "held_by": pids, "age_s": round(now - st.st_mtime, 1)})
+        return rows
+
+    def segments(self) -> list[dict]:
+        """shmtensor segments made by the tree (and new ones whose dead creator we missed)."""
+        new = self.new_names()
+        return [r for r in segments() if r["creator_pid"] in self.tree
+                or (r["name"] in new and not r["creator_alive"])]
+
+    def report(self) -> dict:
+        live = []
+        try:
+            children = psutil.Process(self.me).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        for child in children:
+            try:
+                if child.status() != psutil.STATUS_ZOMBIE:
+                    live.append({"pid": child.pid, "cmdline": " ".join(child.cmdline())[:200]})
+            except psutil.NoSuchProcess:
+                continue
+        return {"segments": self.segments(), "files": self.files(), "processes": live}
+
+
+def _run(command: list[str]) -> subprocess.Popen | int:
+    """Start the command, or say in one line why not and return the shell's status for it
+    (127: not found, 126: found but cannot be run)."""
+    try:
+        return subprocess.Popen(command)
+    except FileNotFoundError as e:
+        _say(f"shmtensor leak-check: {command[0]}: command not found ({e.strerror})",
+             sys.stderr)
+        return 127
+    except OSError as e:
+        _say(f"shmtensor leak-check: {command[0]}: cannot run it ({e.strerror})", sys.stderr)
+        return 126
+
+
+def _wait(proc: subprocess.Popen, watch: _TreeWatch) -> int:
+    """Wait for the command, sampling its tree; SIGTERM and SIGHUP sent to leak-check are
+    passed on, and Ctrl-C is left to the command (the terminal sends it there too)."""
+    def forward(signum, _frame):
+        proc.send_signal(signum)
+    saved = {s: signal.signal(s, h) for s, h in ((signal.SIGTERM, forward),
+                                                (signal.SIGHUP, forward),
+                                                (signal.SIGINT, signal.SIG_IGN))}
+    try:
+        delay = 0.002  # short commands end fast; long ones are sampled less often (<= 50 ms)
+        while True:
+            watch.sample()
+            try:
+                return proc.wait(timeout=delay)
+            except subprocess.TimeoutExpired:
+                delay = min(delay * 2, 0.05)
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def _status(code: int) -> tuple[int, str]:
+    """The command's status as a shell gives it (128+N when killed by signal N), in words."""
+    if code >= 0:
+        return code, f"command exited {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return 128 - code, f"command killed by {name}, status {128 - code}"
 
 
 def cmd_leak_check(args) -> int:
     if not args.command:
-        print("leak-check needs a command: shmtensor leak-check -- python train.py",
-              file=sys.stderr)
+        _say("shmtensor leak-check: no command given: shmtensor leak-check -- python train.py",
+             sys.stderr)
+        return 2
+    if args.timeout < 0:
+        _say(f"shmtensor leak-check: --timeout must be >= 0 seconds, got {args.timeout}",
+             sys.stderr)
         return 2
     _become_subreaper()
-    me = os.getpid()
-    proc = subprocess.Popen(args.command)
-    tree = {proc.pid}
-    delay = 0.002  # short commands end fast; long ones are sampled less often (<= 50 ms)
-    while True:
-        try:
-            code = proc.wait(timeout=delay)
-            break
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            tree.update(c.pid for c in psutil.Process(me).children(recursive=True))
-        except psutil.NoSuchProcess:
-            pass
-        delay = min(delay * 2, 0.05)
-    for c in psutil.Process(me).children(recursive=True):
-        tree.add(c.pid)
+    watch = _TreeWatch(os.getpid())
+    proc = _run(args.command)
+    if isinstance(proc, int):
+        return proc
+    watch.add(proc.pid, " ".join(args.command)[:200])
+    status, words = _status(_wait(proc, watch))
     deadline = time.monotonic() + args.timeout
-    report = _tree_report(tree, me)
-    while (report["segments"] or report["processes"]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        for c in psutil.Process(me).children(recursive=True):
-            tree.add(c.pid)
-        report = _tree_report(tree, me)
-    for child in psutil.Process(me).children():  # reap what we adopted
+    watch.sample()
+    report = watch.report()
+    while any(report.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)  # asynchronous releases: janitors, resource trackers, exiting children
+        watch.sample()
+        report = watch.report()
+    try:
+        adopted = psutil.Process().children()
+    except psutil.NoSuchProcess:
+        adopted = []
+    for child in adopted:  # reap what we adopted and what has ended
         try:
             child.wait(0)
         except (psutil.TimeoutExpired, psutil.NoSuchProcess):
             pass
-    leaked = bool(report["segments"] or report["processes"])
-    report.update(command=args.command, exit_code=code, leaked=bool(leaked))
+    leaked = any(report.values())
+    report.update(command=args.command, exit_code=status,
+                  signal=-proc.returncode if proc.returncode < 0 else None, leaked=leaked)
     if args.json:
-        print(json.dumps(report, indent=2))
+        _say(json.dumps(report, indent=2))
     else:
         if report["segments"]:
-            print(f"shmtensor leak-check: {len(report['segments'])} segment(s) left behind:")
-            print(_table(report["segments"], _LS_COLS))
+            _say(f"shmtensor leak-check: {len(report['segments'])} shmtensor segment(s) left "
+                 "behind:")
+            _say(_table(report["segments"], _LS_COLS))
+        if report["files"]:
+            _say(f"shmtensor leak-check: {len(report['files'])} file(s) left behind in "
+                 f"{posix_shm.SHM_DIR}:")
+            _say(_table(report["files"], _FILE_COLS))
         for p in report["processes"]:
-            print(f"shmtensor leak-check: process {p['pid']} still running: {p['cmdline']}")
-        if not leaked:
-            print(f"shmtensor leak-check: clean (command exited {code})")
-    return LEAK_EXIT if leaked else code
+            _say(f"shmtensor leak-check: process {p['pid']} still running: {p['cmdline']}")
+        _say(f"shmtensor leak-check: {'LEAKED' if leaked else 'clean'} ({words})")
+    return LEAK_EXIT if leaked else status
+
+
+_LEAK_CHECK_DOC = f"""\
+Runs CMD, follows its whole process tree (orphans included), and when it ends reports
+what the tree left behind: shmtensor segments, any other new file in /dev/shm (a stdlib
+SharedMemory, a POSIX semaphore sem.*, ...) with the process seen holding it ("unknown"
+when it came and was let go between two looks), and processes still running.  It waits
+up to --timeout seconds for what is released asynchronously (janitors, resource
+trackers) before calling it a leak.
+
+exit status:
+  N        the command's own status when nothing was left behind, as a shell gives
+           it: 128+S when signal S killed it (137 for SIGKILL)
+  {LEAK_EXIT}       something was left behind, whatever the command's status (the
+           report gives it)
+  126      CMD was found but cannot be run (not executable, a directory)
+  127      CMD was not found
+  2        usage error
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -229,9 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     cl.set_defaults(func=cmd_clean)
     lc = sub.add_parser(
         "leak-check", help="run a command and report what its process tree left behind",
-        description=f"Runs CMD, follows its whole process tree, and when it ends reports the "
-                    f"segments and live processes it left. Exit status: 0 when clean, "
-                    f"{LEAK_EXIT} when it leaked, the command's own status otherwise.")
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=_LEAK_CHECK_DOC)
     lc.add_argument("--json", action="store_true", help="machine-readable report")
     lc.add_argument("--timeout", type=float, default=5.0,
                     help="seconds to wait for asynchronous releases after the command ends")

@@ -193,7 +193,7 @@ def test_full_dev_shm_raises_a_clear_error_instead_of_sigbus(strategy):
     with pytest.raises(shmtensor.ShmSpaceError) as err:
         shmtensor.empty(huge, dtype=np.uint8)
     msg = str(err.value)
-    assert "MB" in msg and ("--shm-size" in msg or "memory" in msg)
+    assert "MiB" in msg and ("--shm-size" in msg or "memory" in msg)
     with pytest.raises(shmtensor.ShmSpaceError):
         roundtrip(np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), (huge,), (0,)))
 

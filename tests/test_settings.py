@@ -1,0 +1,142 @@
+"""Settings are checked where they are given: environment variables when shmtensor is
+imported, setters when called, constructors' arguments; each error names what is accepted."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import shmtensor
+from shmtensor import _strategy
+
+
+def import_with(**env) -> subprocess.CompletedProcess:
+    """``import shmtensor`` in a fresh interpreter with these environment variables; prints
+    the strategy and the threshold it ended up with."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("SHMTENSOR_")}
+    full.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", "import shmtensor as s; "
+                               "print(s.get_sharing_strategy(), s.get_inline_threshold())"],
+        env=full, capture_output=True, text=True, timeout=60)
+
+
+def last_line(r: subprocess.CompletedProcess) -> str:
+    return r.stderr.strip().splitlines()[-1]
+
+
+def test_bogus_sharing_strategy_fails_the_import_naming_the_choices():
+    r = import_with(SHMTENSOR_SHARING_STRATEGY="bogus")
+    assert r.returncode != 0
+    line = last_line(r)
+    assert line.startswith("ValueError: SHMTENSOR_SHARING_STRATEGY='bogus'")
+    for name in shmtensor.get_all_sharing_strategies():
+        assert name in line
+
+
+@pytest.mark.parametrize("strategy", sorted(_strategy._ALL))
+def test_valid_sharing_strategy_from_the_environment(strategy):
+    r = import_with(SHMTENSOR_SHARING_STRATEGY=strategy)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[0] == strategy
+
+
+def test_empty_variables_count_as_unset():
+    r = import_with(SHMTENSOR_SHARING_STRATEGY="", SHMTENSOR_INLINE_THRESHOLD="")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [sorted(_strategy._ALL)[0],
+                                str(_strategy.DEFAULT_INLINE_THRESHOLD)]
+
+
+@pytest.mark.parametrize("value, nbytes", [("81920", 81920), ("80k", 80 << 10),
+                                           ("80K", 80 << 10), ("80KiB", 80 << 10),
+                                           ("1M", 1 << 20), ("2mib", 2 << 20),
+                                           ("1G", 1 << 30), ("0", 0), (" 12 ", 12)])
+def test_inline_threshold_from_the_environment_takes_binary_suffixes(value, nbytes):
+    r = import_with(SHMTENSOR_INLINE_THRESHOLD=value)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout.split()[1]) == nbytes
+
+
+@pytest.mark.parametrize("value", ["-5", "80KB", "80kB", "1.5M", "lots", "0x100", "80 k b"])
+def test_bad_inline_threshold_fails_the_import_naming_the_forms(value):
+    r = import_with(SHMTENSOR_INLINE_THRESHOLD=value)
+    assert r.returncode != 0
+    line = last_line(r)
+    assert line.startswith("ValueError: SHMTENSOR_INLINE_THRESHOLD="), r.stderr
+    assert "80k" in line and "1024" in line  # the accepted forms, and what k means
+
+
+def test_huge_inline_threshold_from_the_environment_is_refused():
+    r = import_with(SHMTENSOR_INLINE_THRESHOLD=str(2 ** 70))
+    assert r.returncode != 0
+    assert "out of range" in last_line(r) and "2**48" in last_line(r)
+
+
+@pytest.fixture
+def threshold():
+    prev = shmtensor.get_inline_threshold()
+    yield
+    shmtensor.set_inline_threshold(prev)
+
+
+@pytest.mark.parametrize("bad", [True, False])
+def test_set_inline_threshold_refuses_a_bool(threshold, bad):
+    with pytest.raises(TypeError, match="not a bool"):
+        shmtensor.set_inline_threshold(bad)
+
+
+@pytest.mark.parametrize("bad", [2 ** 70, 2 ** 48 + 1, -1])
+def test_set_inline_threshold_refuses_out_of_range(threshold, bad):
+    with pytest.raises(ValueError, match=r"non-negative number of bytes.*2\*\*48"):
+        shmtensor.set_inline_threshold(bad)
+
+
+@pytest.mark.parametrize("bad", [1.5, "80k", None])
+def test_set_inline_threshold_refuses_non_ints(threshold, bad):
+    with pytest.raises(TypeError, match="int number of bytes"):
+        shmtensor.set_inline_threshold(bad)
+
+
+def test_set_inline_threshold_takes_any_integer_up_to_the_cap(threshold):
+    for ok in (0, np.int64(4096), 2 ** 48):
+        shmtensor.set_inline_threshold(ok)
+        assert shmtensor.get_inline_threshold() == ok and type(
+            shmtensor.get_inline_threshold()) is int
+
+
+@pytest.mark.parametrize("bad", ["bogus", None, 1, "FILE_SYSTEM"])
+def test_set_sharing_strategy_names_the_choices(bad):
+    prev = shmtensor.get_sharing_strategy()
+    with pytest.raises(ValueError, match="file_system"):
+        shmtensor.set_sharing_strategy(bad)
+    assert shmtensor.get_sharing_strategy() == prev
+
+
+def test_batch_pool_refuses_object_dtypes():
+    with pytest.raises(TypeError, match="Python objects"):
+        shmtensor.BatchPool((10,), object)
+    with pytest.raises(TypeError, match="Python objects"):
+        shmtensor.BatchPool((10,), [("a", "f8"), ("b", "O")])
+
+
+@pytest.mark.parametrize("slots, error", [(0, ValueError), (True, TypeError),
+                                          (2.0, TypeError), ("3", TypeError)])
+def test_batch_pool_checks_slots(slots, error):
+    with pytest.raises(error, match="slot"):
+        shmtensor.BatchPool((10,), np.float32, slots=slots)
+
+
+def test_batch_pool_checks_order():
+    with pytest.raises(ValueError, match="'C' or 'F'"):
+        shmtensor.BatchPool((10,), np.float32, order="K")
+
+
+def test_sizes_are_shown_in_binary_units():
+    from shmtensor.cli import _size
+    from shmtensor.ipc.posix_shm import _mb
+    assert _size(512) == "512 B" and _size(8192) == "8.0 KiB"
+    assert _size(3 << 20) == "3.0 MiB" and _size(5 << 30) == "5.0 GiB"
+    assert _mb(3 << 20) == "3 MiB" and _mb(1536) == "1.5 KiB"
