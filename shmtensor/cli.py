@@ -73,7 +73,8 @@ def segments() -> list[dict]:
                "fd_held_by": sorted(use.fd_held_by) if use else [], "age_s": None}
         if name in named:
             try:
-                row["age_s"] = round(now - os.stat(os.path.join(posix_shm.SHM_DIR, name)).st_mtime, 1)
+                mtime = os.stat(os.path.join(posix_shm.SHM_DIR, name)).st_mtime
+                row["age_s"] = round(now - mtime, 1)
             except FileNotFoundError:
                 continue
         rows.append(row)
@@ -424,7 +425,8 @@ exit status:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="shmtensor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="shmtensor", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("ls", help="list every shmtensor segment: size, creator, who maps it")
     ls.add_argument("--json", action="store_true", help="machine-readable output")

@@ -1,0 +1,170 @@
+"""The package as users get it: an sdist and a wheel built from a copy of this tree, the
+wheel installed (not editable) into a fresh venv and used from outside the repository.
+
+Needs pip to reach an index (setuptools and build for the build, numpy, psutil,
+cloudpickle and pytest for the venv).  About half a minute; marked slow.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = 600  # seconds for one pip or build step (downloads on a cold cache)
+
+
+def sh(*cmd, cwd=None, env=None) -> subprocess.CompletedProcess:
+    r = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert r.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{r.stdout}\n{r.stderr}"
+    return r
+
+
+def source_modules() -> set[str]:
+    """Every module of the package in this tree (through the shmtensor/ipc link)."""
+    out = set()
+    for folder, dirs, files in os.walk(ROOT / "shmtensor", followlinks=True):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            if name.endswith(".py"):
+                rel = (Path(folder) / name).relative_to(ROOT).with_suffix("")
+                out.add(".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts))
+    return out
+
+
+def public(modules: set[str]) -> list[str]:
+    return sorted(m for m in modules if not any(p.startswith("_") for p in m.split(".")[1:]))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(sdist, wheel built from the sdist, wheel built from the tree, the venv's python)."""
+    tmp = tmp_path_factory.mktemp("packaging")
+    src = tmp / "src"  # a copy: building writes egg-info and build/ into the tree it builds
+    shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(
+        ".venv*", ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
+        "bench-results"))
+    venv = tmp / "venv"
+    sh(sys.executable, "-m", "venv", venv)
+    py = venv / "bin" / "python"
+    quiet = ("-q", "--disable-pip-version-check")
+    sh(py, "-m", "pip", "install", *quiet, "build", "pytest")
+    sh(py, "-m", "build", "--outdir", tmp / "dist", src)  # sdist, then a wheel from it
+    sdist, = (tmp / "dist").glob("*.tar.gz")
+    wheel, = (tmp / "dist").glob("*.whl")
+    sh(py, "-m", "pip", "wheel", *quiet, "--no-deps", "-w", tmp / "tree-wheel", src)
+    tree_wheel, = (tmp / "tree-wheel").glob("*.whl")
+    sh(py, "-m", "pip", "install", *quiet, wheel)
+    return sdist, wheel, tree_wheel, py
+
+
+def wheel_files(wheel: Path) -> set[str]:
+    with zipfile.ZipFile(wheel) as z:
+        return {n for n in z.namelist() if ".dist-info/" not in n}
+
+
+def test_wheels_carry_every_module_and_nothing_outside_shmtensor(built):
+    sdist, wheel, tree_wheel, _ = built
+    expected = {m.replace(".", "/") + ("/__init__.py" if (ROOT / m.replace(".", "/")).is_dir()
+                                       else ".py") for m in source_modules()}
+    for w in (wheel, tree_wheel):
+        files = wheel_files(w)
+        assert expected <= files, f"{w.name} lacks {sorted(expected - files)}"
+        assert all(f.startswith("shmtensor/") for f in files), sorted(files)
+        assert "shmtensor/ipc/posix_shm.py" in files  # the ipc link, followed
+    with tarfile.open(sdist) as t:
+        members = {m.name.split("/", 1)[1]: m for m in t.getmembers() if "/" in m.name}
+    link = members.get("shmtensor/ipc")
+    # the sdist may keep shmtensor/ipc as the link (with ipc/ beside it) or as files
+    if link is not None and link.issym():
+        assert "ipc/posix_shm.py" in members
+    else:
+        assert "shmtensor/ipc/posix_shm.py" in members
+
+
+def test_installed_wheel_imports_every_public_module(built, tmp_path):
+    *_, py = built
+    modules = public(source_modules())
+    assert {"shmtensor", "shmtensor.multiprocessing", "shmtensor.cuda", "shmtensor.testing",
+            "shmtensor.ipc"} <= set(modules)
+    script = textwrap.dedent(f"""
+        import importlib, importlib.metadata as md, importlib.util, sys
+        for name in {modules!r}:
+            module = importlib.import_module(name)
+            assert "site-packages" in module.__file__, (name, module.__file__)
+        assert importlib.util.find_spec("ipc") is None, "a top-level ipc is installed"
+        files = [str(f) for f in md.files("shmtensor")]
+        stray = [f for f in files if not f.startswith(("shmtensor/", "shmtensor-", "../"))]
+        assert not stray, stray
+        print("ok", len({modules!r}))
+    """)
+    r = sh(py, "-I", "-c", script, cwd=tmp_path)
+    assert r.stdout.strip() == f"ok {len(modules)}"
+
+
+def test_installed_console_script_and_pytest_plugin(built, tmp_path):
+    *_, py = built
+    bindir = py.parent
+    r = sh(bindir / "shmtensor", "ls", cwd=tmp_path)
+    assert "segment" in r.stdout
+    (tmp_path / "test_uses_plugin.py").write_text(textwrap.dedent("""
+        def test_fixture(shm_leak_checker):
+            import shmtensor
+            a = shmtensor.zeros(10)
+            del a
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = sh(py, "-m", "pytest", "-p", "no:cacheprovider", "--help", cwd=tmp_path, env=env)
+    assert "--shmtensor-leak-check" in r.stdout
+    r = sh(py, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--shmtensor-leak-check",
+           "test_uses_plugin.py", cwd=tmp_path, env=env)
+    assert "1 passed" in r.stdout
+
+
+QUEUE = """
+import sys
+import numpy as np
+import shmtensor
+import shmtensor.multiprocessing as mp
+
+def child(q, out):
+    big, shared = q.get(), q.get()
+    shared *= 2                      # the parent sees it: the same memory
+    out.put(float(big.sum()))
+
+if __name__ == "__main__":
+    assert "site-packages" in shmtensor.__file__, shmtensor.__file__
+    for method in mp.get_all_start_methods():
+        ctx = mp.get_context(method)
+        q, out = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=child, args=(q, out))
+        p.start()
+        shared = shmtensor.ones(1000)
+        q.put(np.arange(100_000.0))  # over the inline threshold: through a segment
+        q.put(shared)
+        total = out.get(timeout=60)
+        p.join(60)
+        assert p.exitcode == 0, (method, p.exitcode)
+        assert total == 100_000 * 99_999 / 2 and (shared == 2).all(), method
+        print(method, "ok")
+"""
+
+
+def test_installed_wheel_sends_arrays_between_processes(built, tmp_path):
+    *_, py = built
+    (tmp_path / "queue_check.py").write_text(QUEUE)
+    env = {k: v for k, v in os.environ.items()
+           if k != "PYTHONPATH" and not k.startswith("SHMTENSOR_")}
+    r = sh(py, "-I", "queue_check.py", cwd=tmp_path, env=env)
+    assert "spawn ok" in r.stdout and "fork ok" in r.stdout, r.stdout
