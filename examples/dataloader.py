@@ -99,7 +99,7 @@ def run(ctx, nworkers: int, nbatches: int, label: str) -> tuple[float, Loader]:
     return rate, loader
 
 
-def main(nworkers: int = 4, nbatches: int = 120) -> int:
+def main(nworkers: int = 4, nbatches: int = 200) -> int:
     mib = int(np.prod(BATCH)) * 4 / (1 << 20)
     shape = "x".join(map(str, BATCH))
     print(f"data loader: {nworkers} worker processes make {nbatches} batches of {shape} float32 "
