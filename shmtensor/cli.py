@@ -258,7 +258,7 @@ class _TreeWatch:
                     self.add(child.pid, "?")
         pending = {ino: n for n, ino in self.new_names().items()
                    if n not in self.openers and posix_shm.parse_name(n) is None}
-        for name, pids in _openers(pending, self.tree).items():
+        for name, pids in _openers(pending, [c.pid for c in children]).items():
             self.openers[name] = sorted(pids)
 
     def files(self) -> list[dict]:
@@ -282,7 +282,7 @@ class _TreeWatch:
                          "creator_pid": creator,
                          "creator": (f"pid {creator}: {self.tree.get(creator, '?')}"
                                      if creator is not None else "unknown"),
-                         "held_by": pids, "age_s": round(now - st.st_mtime, 1)})
+                         "seen_held_by": pids, "age_s": round(now - st.st_mtime, 1)})
         return rows
 
     def segments(self) -> list[dict]:
