@@ -224,6 +224,18 @@ def _openers(files: dict[int, str], pids) -> dict[str, set[int]]:
     return found
 
 
+# Files that libraries leave in /dev/shm by design, reported apart and not counted as the
+# command's leak: (name prefix, why).
+_NOT_LEAKS = (
+    ("cuda.shm.", "the CUDA driver's own: one 80 KiB file per process that made an "
+                  "interprocess event, which the driver never removes"),
+)
+
+
+def _not_leak(name: str) -> str | None:
+    return next((why for prefix, why in _NOT_LEAKS if name.startswith(prefix)), None)
+
+
 class _TreeWatch:
     """Follows the command's process tree and the names it makes in /dev/shm.
 
@@ -303,7 +315,12 @@ class _TreeWatch:
                     live.append({"pid": child.pid, "cmdline": " ".join(child.cmdline())[:200]})
             except psutil.NoSuchProcess:
                 continue
-        return {"segments": self.segments(), "files": self.files(), "processes": live}
+        files, not_counted = [], []
+        for f in self.files():
+            why = _not_leak(f["name"])
+            (not_counted if why else files).append(dict(f, why=why) if why else f)
+        return {"segments": self.segments(), "files": files, "processes": live,
+                "not_counted": not_counted}
 
 
 def _run(command: list[str]) -> subprocess.Popen | int:
@@ -370,8 +387,11 @@ def cmd_leak_check(args) -> int:
     status, words = _status(_wait(proc, watch))
     deadline = time.monotonic() + args.timeout
     watch.sample()
+    def left(report: dict) -> bool:
+        return bool(report["segments"] or report["files"] or report["processes"])
+
     report = watch.report()
-    while any(report.values()) and time.monotonic() < deadline:
+    while left(report) and time.monotonic() < deadline:
         time.sleep(0.05)  # asynchronous releases: janitors, resource trackers, exiting children
         watch.sample()
         report = watch.report()
@@ -384,7 +404,7 @@ def cmd_leak_check(args) -> int:
             child.wait(0)
         except (psutil.TimeoutExpired, psutil.NoSuchProcess):
             pass
-    leaked = any(report.values())
+    leaked = left(report)
     report.update(command=args.command, exit_code=status,
                   signal=-proc.returncode if proc.returncode < 0 else None, leaked=leaked)
     if args.json:
@@ -400,6 +420,9 @@ def cmd_leak_check(args) -> int:
             _say(_table(report["files"], _FILE_COLS))
         for p in report["processes"]:
             _say(f"shmtensor leak-check: process {p['pid']} still running: {p['cmdline']}")
+        for f in report["not_counted"]:
+            _say(f"shmtensor leak-check: not counted: {posix_shm.SHM_DIR}/{f['name']} "
+                 f"({f['why']})")
         _say(f"shmtensor leak-check: {'LEAKED' if leaked else 'clean'} ({words})")
     return LEAK_EXIT if leaked else status
 
@@ -410,7 +433,8 @@ what the tree left behind: shmtensor segments, any other new file in /dev/shm (a
 SharedMemory, a POSIX semaphore sem.*, ...) with the process seen holding it ("unknown"
 when it came and was let go between two looks), and processes still running.  It waits
 up to --timeout seconds for what is released asynchronously (janitors, resource
-trackers) before calling it a leak.
+trackers) before calling it a leak.  Files the CUDA driver leaves by design
+(cuda.shm.*, one per process that made an interprocess event) are listed, not counted.
 
 exit status:
   N        the command's own status when nothing was left behind, as a shell gives

@@ -248,3 +248,19 @@ def test_json_through_head_in_a_shell():
     r = subprocess.run(f"set -o pipefail; {cmd} | head -c 10", shell=True, executable="/bin/bash",
                        capture_output=True, text=True, timeout=60)
     assert r.stdout == '{\n  "segme' and r.stderr == "", r.stderr
+
+
+def test_leak_check_reports_the_cuda_drivers_files_apart():
+    """The CUDA driver leaves /dev/shm/cuda.shm.* for each process that made an
+    interprocess event: listed, not counted against the command."""
+    name = f"cuda.shm.0.{os.urandom(3).hex()}.1"
+    try:
+        r = run("leak-check", "--json", "--timeout", "0", "--", sys.executable, "-c",
+                f"open('/dev/shm/{name}', 'w').close()")
+        assert r.returncode == 0, r.stdout + r.stderr
+        report = json.loads(r.stdout)
+        assert not report["leaked"] and report["files"] == []
+        assert [f["name"] for f in report["not_counted"]] == [name]
+        assert "CUDA driver" in report["not_counted"][0]["why"]
+    finally:
+        posix_shm.unlink_named(name)
