@@ -12,7 +12,6 @@ Run it with ``scripts/demo`` (or ``python examples/dataloader.py`` inside the ve
 from __future__ import annotations
 
 import multiprocessing
-import queue as _queue
 import sys
 import time
 
