@@ -136,7 +136,7 @@ def _recv_exact_msg(sock, size: int, fds: list, dropped: list) -> bytes:
             dropped.append(True)
         if not data:
             close_fds(fds)
-            raise EOFError
+            raise _truncated()
         chunks.append(data)
         size -= len(data)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -201,6 +201,12 @@ def _finish_frame(sock, head: bytes, ancdata, flags) -> tuple[bytes, list[int]]:
     return buf, fds
 
 
+def _truncated() -> OSError:
+    """The peer closed in the middle of a frame (it died mid-send): what the stdlib's
+    Connection raises then; EOFError is only for an end between frames."""
+    return OSError("got end of file during message")
+
+
 def _recv_payload(sock: socket.socket, n: int):
     """``n`` bytes: one ``recv`` when they are there (a small frame is), else read into a
     buffer of that size."""
@@ -209,7 +215,7 @@ def _recv_payload(sock: socket.socket, n: int):
         if len(data) == n:
             return data
         if not data:
-            raise EOFError
+            raise _truncated()
         buf = bytearray(n)
         buf[:len(data)] = data
         pos = len(data)
@@ -220,7 +226,7 @@ def _recv_payload(sock: socket.socket, n: int):
     while pos < n:
         got = sock.recv_into(view[pos:])
         if not got:
-            raise EOFError
+            raise _truncated()
         pos += got
     return buf
 

@@ -3,16 +3,22 @@
 A :class:`Connection` is a real ``multiprocessing.connection.Connection`` whose bytes go in
 :mod:`ipc.scm_rights` frames, so the fds a message needs travel in-band with it: no
 connection back to the sender per fd, and the sender may exit as soon as it has sent.
-``send``/``recv`` pickle with shmtensor's reducers; ``send_bytes``/``recv_bytes`` are
-unchanged for callers.
+``send``/``recv`` pickle with shmtensor's reducers; everything else (``send_bytes``,
+``recv_bytes``, ``recv_bytes_into``, ``poll``, EOF, closed handles) is the stdlib's own code
+on top of :meth:`Connection._send_bytes` and :meth:`Connection._recv_bytes`, which keep its
+contract (CPython 3.10-3.13 ``multiprocessing/connection.py``).
+
+A send that fails for want of a resource (no fd left, no shared memory, the reader gone)
+raises :func:`send_error`'s description of it: the limit, its value and the fix.
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import os
+import resource
 import socket
-import threading
 from multiprocessing import connection as _mpc
 from multiprocessing import reduction
 
@@ -20,9 +26,59 @@ from shmtensor.ipc import scm_rights
 
 from . import _reductions
 
-__all__ = ["Connection", "Pipe"]
+__all__ = ["Connection", "Pipe", "send_error"]
 
-_stash = threading.local()
+
+def _open_fds(limit: int) -> str:
+    try:
+        return str(len(os.listdir("/proc/self/fd")) - 1)  # less the one listdir used
+    except OSError:  # none left to look with
+        return f"all {limit}"
+
+
+def send_error(e: BaseException, what: str,
+               dropped: str = "the message was not sent") -> BaseException:
+    """``e``, met while sending (``what``: "put() failed" ...), described for a person:
+    which limit was hit, its value, and how to lift it.  Same errno (so the same OSError
+    subclass); a MemoryError (``ShmSpaceError`` included) already says so and is kept."""
+    if not isinstance(e, OSError) or e.errno is None:
+        return e
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    code = e.errno
+    if code == errno.EMFILE:
+        why = (f"too many open files (EMFILE): ulimit -n (RLIMIT_NOFILE) is {soft} (hard "
+               f"limit {hard}) and this process has {_open_fds(soft)} fds open. Raise it "
+               f"(ulimit -n, or resource.setrlimit(resource.RLIMIT_NOFILE, ...)), keep fewer "
+               f"shared arrays alive in this process (each segment it made or holds can keep "
+               f"an fd), or use shmtensor.set_sharing_strategy('file_system')")
+    elif code == errno.ETOOMANYREFS:
+        why = (f"the kernel refused to queue more fds in sockets (ETOOMANYREFS): Linux counts "
+               f"the fds in unread messages of this user against RLIMIT_NOFILE ({soft}). "
+               f"Let the receiver catch up (fewer messages in flight) or raise ulimit -n")
+    elif code == errno.ENFILE:
+        why = ("the system's open-file table is full (ENFILE, /proc/sys/fs/file-max): close "
+               "files or shared arrays elsewhere, or raise fs.file-max")
+    elif code == errno.EPIPE:
+        why = ("the receiving end is closed in every process (EPIPE): the reader exited or "
+               "closed it, so nothing can receive this; keep a reader alive until the "
+               "sender is done")
+    elif code in (errno.ENOSPC, errno.EDQUOT):
+        why = (f"no space left for shared memory ({errno.errorcode[code]}): free memory or "
+               f"/dev/shm space (fewer live arrays, 'shmtensor clean'), or give the "
+               f"container more (--shm-size)")
+    elif code == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        shown = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit} bytes"
+        why = (f"the file size limit (ulimit -f, RLIMIT_FSIZE) is {shown} (EFBIG): raise it "
+               f"to send arrays this large")
+    elif code == errno.ENOMEM:
+        why = ("out of memory or mappings (ENOMEM): free memory, hold fewer arrays, or "
+               "raise vm.max_map_count")
+    else:
+        why = e.strerror or str(e)
+    err = OSError(code, f"{what}: {why}; {dropped}")
+    err.__cause__ = e
+    return err
 
 
 class Connection(_mpc.Connection):
@@ -42,16 +98,24 @@ class Connection(_mpc.Connection):
         handle, self._handle = self._handle, None  # closed even when reached through __del__
         _close(handle)
 
-    # bytes, as the stdlib's Connection sends them, in fd-carrying frames
+    # The stdlib's send_bytes/recv_bytes/recv_bytes_into call these two.
     def _send_bytes(self, buf) -> None:
-        scm_rights.send_frame(self._sock, buf)
+        try:
+            scm_rights.send_frame(self._sock, buf)
+        except OSError as e:
+            raise send_error(e, "send_bytes() failed")
 
     def _recv_bytes(self, maxsize=None):
+        """One message as the stdlib's ``_recv_bytes`` gives it: a BytesIO positioned at its
+        end (``recv_bytes_into`` reads the size from ``tell()``), or None when it is longer
+        than ``maxsize`` (``recv_bytes`` then says "bad message length")."""
         buf, fds = scm_rights.recv_frame(self._sock)
         scm_rights.close_fds(fds)
         if maxsize is not None and len(buf) > maxsize:
-            raise OSError("bad message length")
-        return io.BytesIO(buf)
+            return None
+        out = io.BytesIO(buf)
+        out.seek(0, io.SEEK_END)
+        return out
 
     def send_frame(self, data, fds) -> None:
         self._check_closed()
@@ -71,9 +135,16 @@ class Connection(_mpc.Connection):
 
     def send(self, obj) -> None:
         """Send a picklable object; arrays in it cross through shared memory."""
-        data, ctx = _reductions.dumps(obj)
+        self._check_closed()
+        self._check_writable()
         try:
-            self.send_frame(data, ctx.wire_fds())
+            data, ctx = _reductions.dumps(obj)
+        except OSError as e:  # no fd or memory for a segment
+            raise send_error(e, "send() failed")
+        try:
+            scm_rights.send_frame(self._sock, data, ctx.wire_fds())
+        except OSError as e:
+            raise send_error(e, "send() failed")
         finally:
             ctx.release()
 
@@ -81,14 +152,6 @@ class Connection(_mpc.Connection):
         """Receive an object sent with :meth:`send`."""
         data, fds = self.recv_frame()
         return _reductions.loads(data, fds)
-
-    def _send_stashed(self, _pickled) -> None:
-        """Send the frame a queue's feeder thread just 'pickled' (see ``_queues.Frame``)."""
-        frame = _stash.__dict__.pop("frame")
-        try:
-            self.send_frame(frame.data, frame.ctx.wire_fds())
-        finally:
-            frame.ctx.release()
 
 
 def _rebuild_connection(df, readable: bool, writable: bool) -> Connection:

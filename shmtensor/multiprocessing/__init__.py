@@ -3,8 +3,11 @@ arrays through shared memory.
 
 Every public name of :mod:`multiprocessing` is here.  The channel factories and
 :func:`get_context` return shmtensor's versions; everything else is the stdlib's own object.
-Importing this module registers nothing globally: code that keeps using the stdlib's
-queues pickles exactly as before.
+Importing this module changes nothing the stdlib already had: code that keeps using the
+stdlib's queues pickles exactly as before.  It adds one name, the ``"shmtensor"``
+serializer of ``multiprocessing.managers.listener_client``, so that a proxy of
+:func:`Manager` works in every process that imports this package (and, since the name
+pickles as its own registration, in a child that never did).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from multiprocessing import __all__ as _mp_all
 
 from .._strategy import (get_all_sharing_strategies, get_sharing_strategy,
                          set_sharing_strategy)
+from . import _managers  # noqa: F401 - registers the "shmtensor" serializer
 from ._context import (ForkContext, ForkServerContext, Process, SpawnContext,
                        get_context)
 from ._pool import RemoteError, WorkerLostError

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.context as _mpctx
+import sys
 from multiprocessing import reduction
 
 from .. import _reductions, _strategy
@@ -34,6 +35,15 @@ def _forget_new_fds(popen):
 
 class _ShmProcess:
     """Pickles target and args with shmtensor's reducers when spawned (fork needs nothing)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # A concurrent.futures worker: its executor's call queue, not yet used, becomes
+        # shmtensor's (see shmtensor.futures), so task arguments cross as results do.
+        cfp = sys.modules.get("concurrent.futures.process")
+        if cfp is not None and self._target is cfp._process_worker and self._args:
+            from ..futures import adopt_call_queue
+            adopt_call_queue(self._args[0])
 
     def __getstate__(self):
         state = self.__dict__.copy()

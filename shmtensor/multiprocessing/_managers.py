@@ -2,8 +2,14 @@
 
 The stdlib looks serializers up by name in ``multiprocessing.managers.listener_client``;
 shmtensor adds one named ``"shmtensor"`` (a new key: nothing that does not ask for it
-changes).  Over AF_UNIX its connections are shmtensor Connections; over TCP they stay
-ordinary ones (fds cannot cross a network socket) and arrays are pickled by value.
+changes) when this module is imported, which ``import shmtensor.multiprocessing`` does.
+Over AF_UNIX its connections are shmtensor Connections; over TCP they stay ordinary ones
+(fds cannot cross a network socket) and arrays are pickled by value.
+
+A proxy keeps its serializer's name and looks it up wherever it is rebuilt, so a child that
+never imported shmtensor (a stdlib Process under spawn or forkserver) would not find it.
+The name is therefore a ``str`` that pickles as a call to :func:`_serializer` here: the
+unpickler imports this module, which registers the name, before it rebuilds the proxy.
 """
 
 from __future__ import annotations
@@ -13,7 +19,24 @@ from multiprocessing import managers as _mpm
 
 from .._connection import Connection
 
-SERIALIZER = "shmtensor"
+__all__ = ["SERIALIZER", "SyncManager"]
+
+
+class _SerializerName(str):
+    """``"shmtensor"``, pickled so that loading it registers the serializer first."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return _serializer, ()
+
+
+def _serializer() -> str:
+    """The registered serializer name (importing this module registered it)."""
+    return SERIALIZER
+
+
+SERIALIZER = _SerializerName("shmtensor")
 
 
 def _wrap(conn):
@@ -40,4 +63,6 @@ class SyncManager(_mpm.SyncManager):
     """``multiprocessing.managers.SyncManager`` with shmtensor's connections."""
 
     def __init__(self, address=None, authkey=None, serializer=SERIALIZER, ctx=None, **kwargs):
+        if serializer == SERIALIZER:
+            serializer = SERIALIZER  # the name that pickles with its registration
         super().__init__(address, authkey, serializer, ctx, **kwargs)
