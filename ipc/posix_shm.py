@@ -134,7 +134,7 @@ def _reserve(fd: int, size: int, named: bool) -> None:
         if size:
             os.posix_fallocate(fd, 0, size)
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+        if e.errno in (errno.ENOSPC, errno.ENOMEM):  # EFBIG is RLIMIT_FSIZE, not space
             raise _space_error(size, named, e) from None
         raise
 

@@ -19,6 +19,7 @@ import io
 import os
 import resource
 import socket
+import traceback
 from multiprocessing import connection as _mpc
 from multiprocessing import reduction
 
@@ -40,7 +41,13 @@ def send_error(e: BaseException, what: str,
                dropped: str = "the message was not sent") -> BaseException:
     """``e``, met while sending (``what``: "put() failed" ...), described for a person:
     which limit was hit, its value, and how to lift it.  Same errno (so the same OSError
-    subclass); a MemoryError (``ShmSpaceError`` included) already says so and is kept."""
+    subclass); a MemoryError (``ShmSpaceError`` included) already says so and is kept.
+
+    The finished frames of ``e``'s traceback are cleared, and callers drop their own
+    reference to the message before raising: a pickled message is a ``BytesIO.getbuffer()``
+    view, and CPython 3.12.0-3.12.1 crash when the garbage collector meets one in a
+    reference cycle (gh-111049), which a kept exception easily makes."""
+    traceback.clear_frames(e.__traceback__)
     if not isinstance(e, OSError) or e.errno is None:
         return e
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -144,6 +151,7 @@ class Connection(_mpc.Connection):
         try:
             scm_rights.send_frame(self._sock, data, ctx.wire_fds())
         except OSError as e:
+            data = None  # see send_error
             raise send_error(e, "send() failed")
         finally:
             ctx.release()

@@ -49,8 +49,8 @@ _sentinel = _mpq._sentinel  # what the stdlib's finalizer appends to stop the fe
 
 class Frame:
     """A message pickled by ``put``, waiting for the feeder thread; ``obj`` is what
-    ``_on_queue_feeder_error`` gets if it cannot be sent (the pickled bytes, as in the
-    stdlib's feeder, unless the queue keeps its objects)."""
+    ``_on_queue_feeder_error`` gets if it cannot be sent: the object if the queue keeps
+    them, else None (then its pickled bytes, as the stdlib's feeder gives)."""
 
     __slots__ = ("data", "ctx", "obj")
 
@@ -162,8 +162,9 @@ class _ShmQueue:
                 except OSError as e:
                     ctx.release()
                     self._undo_put(joinable)
+                    data = None  # see send_error
                     raise send_error(e, "put() failed")
-                item = Frame(data, ctx, obj if self._keep_objects else data)
+                item = Frame(data, ctx, obj if self._keep_objects else None)
             if self._thread is None:
                 self._start_thread()
             self._unsent[0] += 1
@@ -274,6 +275,7 @@ class _ShmQueue:
 
 
 def _send_item(item, writer, writelock) -> None:
+    """Send a frame (and let go of its buffer, sent or not: see ``send_error``)."""
     if type(item) is _Unpicklable:
         raise item.error  # reported as the stdlib's feeder reports its pickling errors
     try:
@@ -282,8 +284,13 @@ def _send_item(item, writer, writelock) -> None:
         else:
             with writelock:
                 writer.send_frame(item.data, item.ctx.wire_fds())
+    except BaseException:
+        if item.obj is None:
+            item.obj = bytes(item.data)  # what the stdlib's feeder gives its hook
+        raise
     finally:
         item.ctx.release()
+        item.data = None
 
 
 def _feed_failed(e: Exception, item, ignore_epipe: bool, onerror, queue_sem, notempty,
@@ -305,8 +312,6 @@ def _feed_failed(e: Exception, item, ignore_epipe: bool, onerror, queue_sem, not
         with notempty:
             failures.append(e)
     obj = item.obj
-    if isinstance(obj, memoryview):
-        obj = bytes(obj)
     try:
         raise e  # the hook's default prints the exception being handled: this one
     except BaseException as err:
@@ -351,6 +356,7 @@ class SimpleQueue(_mpq.SimpleQueue):
                 with self._wlock:
                     self._writer.send_frame(data, ctx.wire_fds())
         except OSError as e:
+            data = None  # see send_error
             raise send_error(e, "put() failed")
         finally:
             ctx.release()

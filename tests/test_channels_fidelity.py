@@ -12,9 +12,8 @@ import sys
 import textwrap
 import threading
 import time
-from multiprocessing import connection as mpc
 from multiprocessing import queues as mpq
-from queue import Empty, Full
+from queue import Empty
 
 import numpy as np
 import pytest
@@ -420,6 +419,36 @@ def test_a_producer_under_a_low_fd_limit_loses_nothing(method, lc):
     for error in errors:  # fewer fds per array (slabs) may let all 600 through
         assert "ulimit -n (RLIMIT_NOFILE) is 256" in error, error
     del kept
+
+
+def _put_past_the_file_size_limit(strategy, out):
+    smp.set_sharing_strategy(strategy)
+    q = smp.get_context("fork").Queue()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+    try:
+        q.put(np.ones(1 << 20))  # 8 MB: its segment cannot grow past 1 MB
+        seen = None
+    except OSError as e:
+        seen = (e.errno, str(e))
+    q.put(np.ones(1000))  # the queue goes on
+    out.put((seen, float(q.get(timeout=JOIN).sum())))
+    q.close()
+    q.join_thread()
+
+
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+def test_the_file_size_limit_is_named(strategy, lc):
+    ctx = smp.get_context("fork")
+    out = ctx.Queue()
+    p = ctx.Process(target=_put_past_the_file_size_limit, args=(strategy, out))
+    p.start()
+    lc.check_pid(p.pid)
+    seen, total = out.get(timeout=JOIN)
+    join_all(p)
+    assert p.exitcode == 0
+    assert seen is not None and seen[0] == 27, seen  # EFBIG
+    assert "ulimit -f" in seen[1] and "1048576 bytes" in seen[1]
+    assert total == 1000.0
 
 
 # -- Manager proxies in children that did not make them ---------------------------------------
