@@ -136,7 +136,8 @@ class _ShmQueue:
     def put(self, obj, block: bool = True, timeout: float | None = None) -> None:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        self._raise_failures("this put() did not queue its object; the queue is usable")
+        if self._failures:
+            self._raise_failures("this put() did not queue its object; the queue is usable")
         try:
             data, ctx = _reductions.dumps(obj)
         except OSError as e:  # no fd or shared memory for a segment
