@@ -52,7 +52,9 @@ def send_error(e: BaseException, what: str,
         return e
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     code = e.errno
-    if code == errno.EMFILE:
+    if e.strerror and e.strerror != os.strerror(code):
+        why = e.strerror  # described where it happened (ipc.posix_shm.fd_limit_error, ...)
+    elif code == errno.EMFILE:
         why = (f"too many open files (EMFILE): ulimit -n (RLIMIT_NOFILE) is {soft} (hard "
                f"limit {hard}) and this process has {_open_fds(soft)} fds open. Raise it "
                f"(ulimit -n, or resource.setrlimit(resource.RLIMIT_NOFILE, ...)), keep fewer "

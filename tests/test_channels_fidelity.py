@@ -354,8 +354,8 @@ def test_fd_exhaustion_is_reported_and_nothing_is_lost(lc):
     kinds = [kind for kind, _, _ in errors]
     assert kinds == ["put", "later put"], errors
     for _, code, text in errors:
-        assert code == 24 and "ulimit -n" in text and "fds open" in text
-    assert "] put() failed: too many open files (EMFILE)" in errors[0][2]
+        assert code == 24 and "ulimit -n" in text and "open" in text
+    assert "] put() failed: " in errors[0][2]
     assert "message was not sent" in errors[0][2]
     assert "feeder thread could not send" in errors[1][2]
     assert "this put() did not queue its object" in errors[1][2]
@@ -417,7 +417,7 @@ def test_a_producer_under_a_low_fd_limit_loses_nothing(method, lc):
     values = [int(a[0]) for a in kept]
     assert values == sorted(set(values)) and all((a == a[0]).all() for a in kept)
     for error in errors:  # fewer fds per array (slabs) may let all 600 through
-        assert "ulimit -n (RLIMIT_NOFILE) is 256" in error, error
+        assert "ulimit -n" in error and "256" in error, error
     del kept
 
 
