@@ -11,7 +11,7 @@ overrides, and why:
   is copied into shared memory before ``put`` returns, so the caller may reuse its buffer),
   and while nothing waits for the feeder thread it also sends there, without blocking: no
   thread hand-off per message.  Otherwise it does what the stdlib's does (closed check,
-  semaphore, buffer under ``_notempty``, feeder thread started on first need).
+  semaphore, feeder thread started by the first put, buffer under ``_notempty``).
 * ``_start_thread`` and ``_feed``: the stdlib's, but the feeder sends the frames ``put``
   made instead of pickling objects (3.10's ``_start_thread`` names ``Queue._feed`` itself,
   so both are overridden).
@@ -156,6 +156,14 @@ class _ShmQueue:
             with joinable:
                 self._unfinished_tasks.release()
         with self._notempty:
+            if self._thread is None:  # on first put, as the stdlib's, even if it sends here
+                try:
+                    self._start_thread()
+                except BaseException:  # gh-109047: no thread at finalization
+                    if ctx is not None:
+                        ctx.release()
+                    self._undo_put(joinable)
+                    raise
             if data is not None:
                 try:
                     if self._send_now(data, ctx):
@@ -166,8 +174,6 @@ class _ShmQueue:
                     data = None  # see send_error
                     raise send_error(e, "put() failed")
                 item = Frame(data, ctx, obj if self._keep_objects else None)
-            if self._thread is None:
-                self._start_thread()
             self._unsent[0] += 1
             self._buffer.append(item)
             self._notempty.notify()
@@ -206,8 +212,8 @@ class _ShmQueue:
         self._sem.release()
 
     def close(self) -> None:
-        """As the stdlib's (with no feeder thread ever started, close the socket here);
-        raises a send failure the feeder met and nothing has raised yet."""
+        """As the stdlib's (with no feeder thread ever started, nothing was put: close the
+        socket here); raises a send failure the feeder met and nothing has raised yet."""
         super().close()
         if self._thread is None:
             self._reader.close()
