@@ -263,10 +263,14 @@ def test_joinable_queue_with_a_slow_consumer_and_large_inline_frames(lc):
 
 
 def test_queue_close_without_a_feeder_thread_closes_its_socket():
-    q = smp.get_context("spawn").Queue()
-    q.put(np.arange(4))  # small: sent without the feeder thread
-    assert (q.get(timeout=JOIN) == np.arange(4)).all()
+    q = smp.get_context("spawn").Queue()  # never put to: no feeder thread closes it
+    q.close()
+    q.join_thread()
     assert q._thread is None
+    assert q._reader.closed and q._writer.closed
+    q = smp.get_context("spawn").Queue()
+    q.put(np.arange(4))  # small: sent by put itself (the first put starts the feeder anyway)
+    assert (q.get(timeout=JOIN) == np.arange(4)).all()
     q.close()
     q.join_thread()
     assert q._reader.closed and q._writer.closed
