@@ -44,9 +44,8 @@ def send_error(e: BaseException, what: str,
     subclass); a MemoryError (``ShmSpaceError`` included) already says so and is kept.
 
     The finished frames of ``e``'s traceback are cleared, and callers drop their own
-    reference to the message before raising: a pickled message is a ``BytesIO.getbuffer()``
-    view, and CPython 3.12.0-3.12.1 crash when the garbage collector meets one in a
-    reference cycle (gh-111049), which a kept exception easily makes."""
+    reference to the message before raising: a kept exception would otherwise keep the
+    message's bytes (and, through its context, its anchors) alive."""
     traceback.clear_frames(e.__traceback__)
     if not isinstance(e, OSError) or e.errno is None:
         return e

@@ -397,7 +397,7 @@ def _named_in_main(obj) -> bool:
     return found is obj
 
 
-def _dump(pickler_cls, obj) -> tuple[memoryview, SendContext]:
+def _dump(pickler_cls, obj) -> tuple[bytes, SendContext]:
     ctx = SendContext()
     prev = getattr(_local, "send", None)
     _local.send = ctx
@@ -409,7 +409,9 @@ def _dump(pickler_cls, obj) -> tuple[memoryview, SendContext]:
         raise
     finally:
         _local.send = prev
-    return buf.getbuffer(), ctx
+    # bytes, not getbuffer()'s view (no copy either way): CPython 3.12.0-3.12.1's GC
+    # crashes on a BytesIO view in a reference cycle (gh-111049), as a kept error makes
+    return buf.getvalue(), ctx
 
 
 _SCAN_MAIN_UPTO = 1 << 16  # larger messages are data; a function in one is sent by name
@@ -418,7 +420,7 @@ _SCAN_MAIN_UPTO = 1 << 16  # larger messages are data; a function in one is sent
 _BY_NAME_ERRORS = (pickle.PicklingError, AttributeError, TypeError)
 
 
-def dumps(obj, undo: Callable[[], object] | None = None) -> tuple[memoryview, SendContext]:
+def dumps(obj, undo: Callable[[], object] | None = None) -> tuple[bytes, SendContext]:
     """Pickle ``obj`` for a shmtensor channel: the bytes and what must travel with them.
 
     By reference first, as the stdlib pickles (the fast pickler); by value (cloudpickle)
@@ -445,13 +447,13 @@ def dumps(obj, undo: Callable[[], object] | None = None) -> tuple[memoryview, Se
     except _BY_NAME_ERRORS as e:
         return _dump_by_value(obj, undo, e)
     if _main_by_reference() or (undo is None and len(data) > _SCAN_MAIN_UPTO) or (
-            b"__main__" not in data.tobytes()):
+            b"__main__" not in data):
         return data, ctx
     ctx.release()
     return _dump_by_value(obj, undo, None)
 
 
-def _dump_by_value(obj, undo, first: BaseException | None) -> tuple[memoryview, SendContext]:
+def _dump_by_value(obj, undo, first: BaseException | None) -> tuple[bytes, SendContext]:
     """The second try, after ``first`` (the fast pickler's error, if it failed)."""
     if undo is not None:
         undo()
