@@ -112,8 +112,10 @@ def test_suite(run, python, launched):
     print(report)
     for tid in verdict.flaky:  # shown in the warnings summary; they do not fail
         warnings.warn(f"{title}: {tid} failed with shmtensor once, passed alone", stacklevel=1)
-    assert verdict.shm.outcomes, f"{title}: no test ran"
-    assert not verdict.regressions and not verdict.shm.left_behind, report
+    if not verdict.shm.outcomes:
+        pytest.fail(f"{title}: no test ran")
+    if verdict.regressions or verdict.shm.left_behind:
+        pytest.fail(report, pytrace=False)
 
 
 # ---- torch's DataLoader, with the stdlib's context and shmtensor's in the same test ----

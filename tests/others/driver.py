@@ -29,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PASSING = {"pass", "xfail"}
 HANG = 120.0  # seconds one test may take before its run is ended
-DETAIL = 6  # lines of a failure kept in a report
+DETAIL = 4  # lines of a failure kept in a report (carets of 3.11+ tracebacks left out)
 
 SUITES = {"cpython": "mp_suite", "futures": "cf_suite"}
 
@@ -216,7 +216,8 @@ class Verdict:
                             ("flaky with shmtensor (failed once, passed alone)", self.flaky),
                             ("differs on purpose", self.intended)):
             for tid, detail in group.items():
-                short = "\n      ".join(detail.strip().splitlines()[-DETAIL:])
+                kept = [ln for ln in detail.strip().splitlines() if ln.strip(" ^~")]
+                short = "\n      ".join(kept[-DETAIL:])
                 lines.append(f"  {name}: {tid}\n      {short}")
         return "\n".join(lines)
 
