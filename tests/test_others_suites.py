@@ -18,12 +18,14 @@ The baseline is measured live, on this machine and interpreter, for just those t
 the stdlib and fails with shmtensor twice.  Differences on purpose are listed in
 ``driver.INTENDED``.  The suites run two at a time (``SHMTENSOR_SUITES_JOBS``).
 
-Default run (about 2-3 minutes on 2 cores): CPython's processes flavour in full under
-spawn, and under fork and forkserver the classes that exercise what shmtensor replaces
-(``CHANNELS``); the misc classes under spawn; the process-pool tests under spawn.
-``SHMTENSOR_FULL_SUITES=1`` runs every suite in full under every start method (about 10
-minutes).  ``SHMTENSOR_SUITE_PYTHONS=/path/to/python3.13:...`` adds interpreters (each
-with shmtensor installed) for the CPython and concurrent.futures suites.
+Default run (this module: about 2.5 minutes on 2 cores): CPython's processes flavour in
+full under spawn (~70 s), and under fork and forkserver the classes that exercise what
+shmtensor replaces (``CHANNELS``, ~15 s each); the misc classes and the process-pool tests
+under spawn; every DataLoader case under fork, the plain one under spawn too.
+``SHMTENSOR_FULL_SUITES=1`` runs every suite in full under every start method, DataLoader
+cases included (about 8 minutes, more where test_concurrent_futures exists).
+``SHMTENSOR_SUITE_PYTHONS=/path/to/python3.13:...`` adds interpreters (each with shmtensor
+installed) for the CPython and concurrent.futures suites.
 """
 
 from __future__ import annotations
