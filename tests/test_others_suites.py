@@ -30,7 +30,7 @@ installed) for the CPython and concurrent.futures suites.
 The stdlib's baseline on the 2-core machines (``python tests/others/driver.py cpython spawn
 fork forkserver``, ``--flavours misc``, ``futures``): no test fails with the stdlib's
 context.  Skipped with it, the same with shmtensor's: the processes flavour skips 3 tests
-under fork and 2 under spawn (forkserver- or spawn-only), none under forkserver; misc
+under fork and 2 under spawn (forkserver-only, or not for fork), none under forkserver; misc
 skips 6/2/5 (fork/spawn/forkserver: Windows-only, start-method-only); the process-pool
 tests skip 5/2/2 on 3.13.0 and 4/2/2 on 3.10.13 (a Windows-only limit, gh-83386, tests
 "incompatible with the fork start method").
