@@ -8,8 +8,8 @@ CONTEXT ``stdlib`` or ``shmtensor``.  Each test writes a ``start`` line, then an
 line with its outcome (pass, fail, error, skip, xfail, xpass) and the first lines of its
 error or skip reason; so when a test hangs (``faulthandler`` ends the process after
 ``--hang`` seconds, its traceback on stderr) the caller knows which one, and goes on with
-``--after`` it; the same for fixtures that hang between two tests.  Module and class fixtures that fail are reported as ``error`` under the
-id unittest gives them.
+``--after`` it; the same for fixtures that hang between two tests.  Module and class
+fixtures that fail are reported as ``error`` under the id unittest gives them.
 """
 
 from __future__ import annotations
