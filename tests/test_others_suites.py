@@ -1,10 +1,10 @@
 """Other people's test suites against shmtensor's drop-in: a failure the stdlib does not
 have is a failure.
 
-- CPython's ``test._test_multiprocessing``, "processes" flavour (and the module-level
-  "misc" classes), with shmtensor's Process, Queue, JoinableQueue, Pipe, Pool, Manager,
-  SimpleQueue and Listener/Client swapped in (``others/swap.py``), where the interpreter
-  ships its ``test`` package.
+- CPython's ``test._test_multiprocessing``: the "processes" flavour, the module-level
+  "misc" classes and the "manager" flavour, with shmtensor's Process, Queue,
+  JoinableQueue, Pipe, Pool, Manager, SimpleQueue and Listener/Client swapped in
+  (``others/swap.py``), where the interpreter ships its ``test`` package.
 - ``test_concurrent_futures``' process-pool tests with ``mp_context=`` shmtensor's context,
   where the interpreter ships that module (3.10 and 3.12+ upstream; this venv's 3.11 build
   lacks it: skipped with the reason).
@@ -21,7 +21,8 @@ the stdlib and fails with shmtensor twice.  Differences on purpose are listed in
 Default run (this module: about 2.5 minutes on 2 cores): CPython's processes flavour in
 full under spawn (~70 s), and under fork and forkserver the classes that exercise what
 shmtensor replaces (``CHANNELS``, ~15 s each); the misc classes and the process-pool tests
-under spawn; every DataLoader case under fork, the plain one under spawn too.
+under spawn; the manager flavour under fork (~15 s); every DataLoader case under fork,
+the plain one under spawn too.
 ``SHMTENSOR_FULL_SUITES=1`` runs every suite in full under every start method, DataLoader
 cases included (about 8 minutes, more where test_concurrent_futures exists).
 ``SHMTENSOR_SUITE_PYTHONS=/path/to/python3.13:...`` adds interpreters (each with shmtensor
@@ -78,6 +79,8 @@ def _plan():
         if full:
             plan.append(("cpython-misc", "mp_suite", method, None, "misc"))
             plan.append(("futures", "cf_suite", method, None, ""))
+        if FULL or method == "fork":
+            plan.append(("cpython-manager", "mp_suite", method, None, "manager"))
     return plan
 
 
@@ -100,9 +103,11 @@ def launched(request):
     futures = {}
     for python, run in sorted(wanted, key=lambda k: (PLAN.index(k[1]), k[0])):
         _, suite, method, select, flavours = run
+        # a manager that hangs hangs every test: each may take 30 s, the run 5 minutes
+        limits = {"hang": 30, "budget": 300} if flavours == "manager" else {}
         futures[python, run] = pool.submit(
             driver.compare, suite, method, python=python, select=select,
-            env={"SHMTENSOR_SUITE_FLAVOURS": flavours})
+            env={"SHMTENSOR_SUITE_FLAVOURS": flavours}, **limits)
     yield futures
     for f in futures.values():
         f.cancel()

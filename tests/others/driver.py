@@ -230,23 +230,24 @@ def _fmt(res: Result) -> str:
 
 def compare(suite: str, method: str, *, python: str = sys.executable,
             select: str | None = None, env: dict | None = None,
-            shm: Result | None = None) -> Verdict:
+            shm: Result | None = None, **run_kw) -> Verdict:
     """shmtensor's run (``shm`` when already made), then the stdlib's and shmtensor's on the
     tests that did not pass; see the module's docstring."""
     if shm is None:
-        shm = run(suite, method, "shmtensor", python=python, select=select, env=env)
+        shm = run(suite, method, "shmtensor", python=python, select=select, env=env,
+                  **run_kw)
     v = Verdict(shm)
     suspects = shm.not_passing()
     if shm.skipped_suite or not suspects:
         return v
     ids = _ids_of(suspects, shm.collected)
-    v.stdlib_again = run(suite, method, "stdlib", python=python, only=ids, env=env)
+    v.stdlib_again = run(suite, method, "stdlib", python=python, only=ids, env=env, **run_kw)
     failing = [i for i in suspects if _passes(i, v.stdlib_again.outcomes, ids)]
     v.intended = {i: intended(i) for i in failing if intended(i)}
     failing = [i for i in failing if i not in v.intended]
     if failing:
         v.shm_again = run(suite, method, "shmtensor", python=python,
-                          only=_ids_of(failing, shm.collected), env=env)
+                          only=_ids_of(failing, shm.collected), env=env, **run_kw)
     for i in failing:
         detail = shm.outcomes[i][1]
         if shm.outcomes[i][0] == "skip":

@@ -17,7 +17,6 @@ import multiprocessing.managers
 import types
 
 import shmtensor.multiprocessing as smp
-from shmtensor.multiprocessing import _managers  # registers the "shmtensor" serializer
 
 # the channel factories and contexts: the names where shmtensor's object is not the stdlib's
 DROP_IN = sorted(n for n in smp.__all__
@@ -32,12 +31,28 @@ def overlay(base: types.ModuleType, name: str, names: dict) -> types.ModuleType:
     return mod
 
 
+def _shm_listener_client():
+    """The Listener and Client of shmtensor's Manager.  Imported when first used, as
+    ``Manager()`` imports them: importing them here would register the "shmtensor"
+    serializer in every child that imports a suite, and hide that a child which did not
+    import it cannot unpickle a manager proxy."""
+    from shmtensor.multiprocessing import _managers
+    return multiprocessing.managers.listener_client[_managers.SERIALIZER]
+
+
+def Listener(*args, **kwargs):
+    return _shm_listener_client()[0](*args, **kwargs)
+
+
+def Client(*args, **kwargs):
+    return _shm_listener_client()[1](*args, **kwargs)
+
+
 def drop_in_multiprocessing() -> types.ModuleType:
     """``multiprocessing`` as ``import shmtensor.multiprocessing as multiprocessing`` sees it,
     with the stdlib's submodules (``multiprocessing.process`` ...) still reachable."""
-    listener, client = multiprocessing.managers.listener_client[_managers.SERIALIZER]
     connection = overlay(multiprocessing.connection, "multiprocessing.connection",
-                         {"Pipe": smp.Pipe, "Listener": listener, "Client": client})
+                         {"Pipe": smp.Pipe, "Listener": Listener, "Client": Client})
     names = {n: getattr(smp, n) for n in DROP_IN}
     names["connection"] = connection
     return overlay(multiprocessing, "multiprocessing", names)
