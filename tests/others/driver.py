@@ -77,17 +77,24 @@ def _group_members(pid: int) -> list[str]:
 
 
 def _end_session(pid: int, grace: float = 10.0) -> list[str]:
-    """Wait (bounded) for the run's session to empty; kill what stays; return what stayed."""
+    """Wait (bounded) for the run's session to empty; kill what stays; return what stayed.
+    Resource trackers go last: they exit by themselves once every process that holds
+    their pipe is gone, and unlink the semaphores they track on the way out."""
     deadline = time.monotonic() + grace
     left = _group_members(pid)
     while left and time.monotonic() < deadline:
         time.sleep(0.1)
         left = _group_members(pid)
-    for line in left:
-        try:
-            os.kill(int(line.split()[0]), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    for last in (False, True):
+        for line in _group_members(pid):
+            if last or "resource_tracker" not in line:
+                try:
+                    os.kill(int(line.split()[0]), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 5.0
+        while not last and _group_members(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
     return left
 
 
@@ -117,9 +124,10 @@ def run(suite: str, method: str, context: str, *, python: str = sys.executable,
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-            res.left_behind += _end_session(proc.pid)
             started, ended, done = _read(out, res)
-            if done:
+            stayed = _end_session(proc.pid)
+            if done:  # (a test that hangs leaves processes: it is reported as the hang)
+                res.left_behind += stayed
                 break
             tail = err.read_bytes().decode(errors="replace").strip().splitlines()
             if started is None and ended is None:
