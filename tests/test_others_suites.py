@@ -24,7 +24,9 @@ shmtensor replaces (``CHANNELS``, ~15 s each); the misc classes and the process-
 under spawn; the manager flavour under fork (~15 s); every DataLoader case under fork,
 the plain one under spawn too.
 ``SHMTENSOR_FULL_SUITES=1`` runs every suite in full under every start method, DataLoader
-cases included (about 8 minutes, more where test_concurrent_futures exists).
+cases included: 14 minutes today, 10 of them the manager flavour hanging under spawn and
+forkserver (30 s per test, 5 minutes per run, then the hung tests again); about 5 once it
+does not, more where test_concurrent_futures exists.
 ``SHMTENSOR_SUITE_PYTHONS=/path/to/python3.13:...`` adds interpreters (each with shmtensor
 installed) for the CPython and concurrent.futures suites.
 
@@ -40,6 +42,7 @@ tests skip 5/2/2 on 3.13.0 and 4/2/2 on 3.10.13 (a Windows-only limit, gh-83386,
 from __future__ import annotations
 
 import concurrent.futures
+import faulthandler
 import os
 import re
 import sys
@@ -119,6 +122,9 @@ def launched(request):
 @pytest.mark.parametrize("run", PLAN, ids=_ids)
 def test_suite(run, python, launched):
     name, suite, method, select, flavours = run
+    # the runs bound their own time (a hang per test, a budget per run): no tracebacks of
+    # this thread waiting for them from pytest's faulthandler_timeout
+    faulthandler.cancel_dump_traceback_later()
     verdict = launched[python, run].result()
     title = f"{name} under {method} ({python}{', subset' if select else ''})"
     if verdict.shm.skipped_suite:
