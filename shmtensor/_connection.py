@@ -95,6 +95,7 @@ class Connection(_mpc.Connection):
     def __init__(self, handle: int, readable: bool = True, writable: bool = True) -> None:
         super().__init__(handle, readable, writable)
         self._sock = socket.socket(fileno=handle)
+        self._sock.settimeout(None)  # not socket.setdefaulttimeout()'s: the stdlib's ignores it
 
     def __reduce__(self):
         return _rebuild_connection, (reduction.DupFd(self.fileno()), self.readable, self.writable)
