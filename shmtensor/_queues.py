@@ -212,12 +212,10 @@ class _ShmQueue:
         self._sem.release()
 
     def close(self) -> None:
-        """As the stdlib's (with no feeder thread ever started, nothing was put: close the
-        socket here); raises a send failure the feeder met and nothing has raised yet."""
+        """As the stdlib's (a no-op for a queue never put to: its socket closes with the
+        queue, and ``empty()`` still answers); raises a send failure the feeder met and
+        nothing has raised yet."""
         super().close()
-        if self._thread is None:
-            self._reader.close()
-            self._writer.close()
         self._raise_failures("the queue is closed")
 
     def join_thread(self) -> None:

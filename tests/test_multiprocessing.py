@@ -263,11 +263,17 @@ def test_joinable_queue_with_a_slow_consumer_and_large_inline_frames(lc):
 
 
 def test_queue_close_without_a_feeder_thread_closes_its_socket():
-    q = smp.get_context("spawn").Queue()  # never put to: no feeder thread closes it
+    import gc
+    smp.get_context("spawn").Queue()  # once per process: the resource tracker's pipe
+    gc.collect()
+    fds = set(os.listdir("/proc/self/fd"))
+    q = smp.get_context("spawn").Queue()  # never put to: close is a no-op, as the stdlib's
     q.close()
     q.join_thread()
-    assert q._thread is None
-    assert q._reader.closed and q._writer.closed
+    assert q._thread is None and q.empty()  # CPython 3.13's test_closed_queue_empty_exceptions
+    del q
+    gc.collect()
+    assert set(os.listdir("/proc/self/fd")) <= fds  # its socket went with it
     q = smp.get_context("spawn").Queue()
     q.put(np.arange(4))  # small: sent by put itself (the first put starts the feeder anyway)
     assert (q.get(timeout=JOIN) == np.arange(4)).all()
