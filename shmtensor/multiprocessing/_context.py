@@ -36,15 +36,6 @@ def _forget_new_fds(popen):
 class _ShmProcess:
     """Pickles target and args with shmtensor's reducers when spawned (fork needs nothing)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        # A concurrent.futures worker: its executor's call queue, not yet used, becomes
-        # shmtensor's (see shmtensor.futures), so task arguments cross as results do.
-        cfp = sys.modules.get("concurrent.futures.process")
-        if cfp is not None and self._target is cfp._process_worker and self._args:
-            from ..futures import adopt_call_queue
-            adopt_call_queue(self._args[0])
-
     def __getstate__(self):
         state = self.__dict__.copy()
         state.pop("_shm_send", None)
@@ -73,6 +64,14 @@ class _ShmProcess:
             _strategy.set_inline_threshold(threshold)
 
     def start(self) -> None:
+        # A concurrent.futures worker: its executor's call queue, not yet used, becomes
+        # shmtensor's (see shmtensor.futures), so task arguments cross as results do.  In
+        # start, not __init__: code that calls multiprocessing.Process.__init__ on its own
+        # subclass of the stdlib's Process still works.
+        cfp = sys.modules.get("concurrent.futures.process")
+        if cfp is not None and self._target is cfp._process_worker and self._args:
+            from ..futures import adopt_call_queue
+            adopt_call_queue(self._args[0])
         try:
             super().start()
         finally:
