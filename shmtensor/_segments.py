@@ -283,20 +283,26 @@ def _mark_slab(seg: Segment, slab: bool) -> None:
         _slabs[seg.kind] += 1 if slab else -1
 
 
+def _create_file(name: str, size: int, kind: str, slots: list[int],
+                 table: ofd_lease.LeaseTable) -> int:
+    """A new memfd, or /dev/shm/NAME, of ``size`` bytes for the segments of ``slots``."""
+    if kind == FD:
+        return posix_shm.create_memfd(name, size)
+    # The janitor hears of the name before the file exists: a SIGKILL in between leaves
+    # nothing it does not know about.
+    for slot in slots:
+        janitor.track(name, slot, table.fds)
+    try:
+        return posix_shm.create_named(name, size)
+    except BaseException:
+        janitor.untrack(name)
+        raise
+
+
 def _create(size: int, kind: str, table: ofd_lease.LeaseTable) -> Segment:
     slot = table.new_slot()
     name = posix_shm.segment_name(slot)
-    if kind == FD:
-        fd = posix_shm.create_memfd(name, size)
-    else:
-        # The janitor hears of the name before the file exists: a SIGKILL in between
-        # leaves nothing it does not know about.
-        janitor.track(name, slot, table.fds)
-        try:
-            fd = posix_shm.create_named(name, size)
-        except BaseException:
-            janitor.untrack(name)
-            raise
+    fd = _create_file(name, size, kind, [slot], table)
     try:
         seg = new_segment(name, kind, size, table.id, slot, own=True, fd=fd, populate=True)
     except BaseException:
@@ -386,16 +392,7 @@ def acquire_many(nbytes: int, kind: str, count: int) -> list[Segment]:
     name = posix_shm.segment_name(slots[0])
     size = cap * count
     with _lock:
-        if kind == FD:
-            fd = posix_shm.create_memfd(name, size)
-        else:
-            for slot in slots:  # told first: a SIGKILL before the file exists leaks nothing
-                janitor.track(name, slot, table.fds)
-            try:
-                fd = posix_shm.create_named(name, size)
-            except BaseException:
-                janitor.untrack(name)
-                raise
+        fd = _create_file(name, size, kind, slots, table)
         shared = _SharedFile(fd if kind == FD else None, name if kind == FS else None, 0)
         segs: list[Segment] = []
         try:

@@ -15,19 +15,10 @@ import shmtensor.multiprocessing as smp
 from shmtensor import _segments
 
 from conftest import JOIN, START_METHODS, join_all
+from test_arrays import roundtrip
 from integrity_helpers import (hold_many_under_limit, keep_under_limit, make_message,
                                mismatch, pool_map_under_limit, produce_under_limit,
                                put_full_arrays, stress_produce)
-
-
-def roundtrip(obj):
-    a, b = smp.Pipe()
-    try:
-        a.send(obj)
-        return b.recv()
-    finally:
-        a.close()
-        b.close()
 
 
 def _check_exit(*procs):
@@ -94,21 +85,18 @@ def test_differential_stress_random_nested_messages(method, strategy, lc):
 
 # 2. fd limits: nothing lost, fds scale with slabs ----------------------------------------
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("shared", [False, True], ids=["plain", "shared"])
-def test_kept_100kb_arrays_under_ulimit_1024(strategy, shared, lc):
-    """A producer under ``ulimit -n 1024`` puts 3000 arrays of 100 KB that the consumer
-    keeps: before, the feeder hit EMFILE at ~1000 and dropped a message."""
+def _produce_and_keep(n: int, size: int, limit: int, shared: bool) -> None:
+    """A spawned producer puts ``n`` arrays of ``size`` int64 that a spawned consumer keeps,
+    both under ``ulimit -n limit``: all arrive intact, and each keeps fewer than 64 fds."""
     ctx = smp.get_context("spawn")
     q, out, done = ctx.Queue(), ctx.Queue(), ctx.Event()
-    n = 3000
-    prod = ctx.Process(target=produce_under_limit, args=(q, out, n, 100_000 // 8, 1024, shared))
-    cons = ctx.Process(target=keep_under_limit, args=(q, out, n, 1024, done))
+    prod = ctx.Process(target=produce_under_limit, args=(q, out, n, size, limit, shared))
+    cons = ctx.Process(target=keep_under_limit, args=(q, out, n, limit, done))
     prod.start()
     cons.start()
     reports = {}
     for _ in range(2):
-        r = out.get(timeout=JOIN * 3)
+        r = out.get(timeout=240)
         reports[r[0]] = r[1:]
     done.set()
     join_all(prod, cons)
@@ -117,6 +105,14 @@ def test_kept_100kb_arrays_under_ulimit_1024(strategy, shared, lc):
     (prod_fds,) = reports["producer"]
     assert ok and count == n
     assert cons_fds < 64 and prod_fds < 64, (cons_fds, prod_fds)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("shared", [False, True], ids=["plain", "shared"])
+def test_kept_100kb_arrays_under_ulimit_1024(strategy, shared, lc):
+    """A producer under ``ulimit -n 1024`` puts 3000 arrays of 100 KB that the consumer
+    keeps: before, the feeder hit EMFILE at ~1000 and dropped a message."""
+    _produce_and_keep(3000, 100_000 // 8, 1024, shared)
 
 
 @pytest.mark.timeout(240)
@@ -154,24 +150,7 @@ def test_hundred_thousand_live_small_arrays_under_ulimit_256(strategy, lc):
     """One producer sends 100,000 small shared arrays; the consumer keeps every one.  Both
     run under ``ulimit -n 256`` and keep fewer than 64 fds.  Before, each release scanned
     leases held per array (70k arrays took more than 300 s); the timeout bounds it."""
-    ctx = smp.get_context("spawn")
-    q, out, done = ctx.Queue(), ctx.Queue(), ctx.Event()
-    n = 100_000
-    prod = ctx.Process(target=produce_under_limit, args=(q, out, n, 128, 256, True))
-    cons = ctx.Process(target=keep_under_limit, args=(q, out, n, 256, done))
-    prod.start()
-    cons.start()
-    reports = {}
-    for _ in range(2):
-        r = out.get(timeout=240)
-        reports[r[0]] = r[1:]
-    done.set()
-    join_all(prod, cons)
-    _check_exit(prod, cons)
-    ok, count, cons_fds = reports["consumer"]
-    (prod_fds,) = reports["producer"]
-    assert ok and count == n
-    assert cons_fds < 64 and prod_fds < 64, (cons_fds, prod_fds)
+    _produce_and_keep(100_000, 128, 256, True)
 
 
 # 4. Any size goes through ----------------------------------------------------------------
