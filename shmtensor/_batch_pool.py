@@ -85,7 +85,7 @@ class BatchPool:
             delay = min(delay * 2, 5e-3)
 
     def close(self) -> None:
-        """Give the slots back to shmtensor's recycler (views still alive stay valid)."""
+        """Give the slots back for reuse as ordinary segments (views still alive stay valid)."""
         segs, self._segments = self._segments, []
         for seg in segs:
             _segments.unpin(seg)
