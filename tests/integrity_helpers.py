@@ -87,6 +87,17 @@ def mismatch(got, want, path="msg") -> str | None:
     return None
 
 
+def _put_from_threads(q, threads: int, run) -> None:
+    """``run(t)`` in ``threads`` threads at once, then flush ``q`` and close it."""
+    ts = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    q.close()
+    q.join_thread()
+
+
 def stress_produce(q, threads: int, per_thread: int, base_seed: int) -> None:
     """``threads`` threads each put ``per_thread`` random messages ``(t, i, message)``
     (seed ``base_seed + t * per_thread + i``), then ``(t, None, None)``."""
@@ -95,13 +106,7 @@ def stress_produce(q, threads: int, per_thread: int, base_seed: int) -> None:
             q.put((t, i, make_message(base_seed + t * per_thread + i)))
         q.put((t, None, None))
 
-    ts = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    q.close()
-    q.join_thread()
+    _put_from_threads(q, threads, run)
 
 
 def put_full_arrays(q, threads: int, per_thread: int, size: int) -> None:
@@ -111,13 +116,7 @@ def put_full_arrays(q, threads: int, per_thread: int, size: int) -> None:
             v = t * per_thread + i
             q.put((v, np.full(size, v, dtype=np.int64)))
 
-    ts = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    q.close()
-    q.join_thread()
+    _put_from_threads(q, threads, run)
 
 
 def limit_fds(limit: int) -> None:
