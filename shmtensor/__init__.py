@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import importlib as _importlib
 import os as _os
-import sys as _sys
 
 from shmtensor.ipc import janitor as _janitor
 from shmtensor.ipc import ofd_lease as _ofd_lease
 from shmtensor.ipc.posix_shm import ShmSpaceError
 
-from . import _stats
+from . import _registry, _stats
+from . import cuda as _cuda  # noqa: F401 (registers CuPy's reducers, for when CuPy is imported)
 from ._strategy import (get_all_sharing_strategies, get_inline_threshold,
                         get_sharing_strategy, set_inline_threshold, set_sharing_strategy)
 
@@ -67,11 +67,7 @@ def debug_info() -> dict[str, int]:
     info["segments_attached_idle"] = sum(1 for s in segs if not s.own and not s.alive())
     info["bytes_mapped"] = sum(s.size for s in segs)
     info["lease_tables"] = _ofd_lease.table_count()
-    cuda = _sys.modules.get("shmtensor.cuda._ipc")
-    info.update(cuda.stats() if cuda is not None else
-                dict.fromkeys(("cuda_exports", "cuda_bytes_exported", "cuda_opened", "cuda_events",
-                               "cuda_vmm_slabs", "cuda_vmm_bytes", "cuda_vmm_blocks_held",
-                               "cuda_vmm_mapped"), 0))
+    info.update(_registry.stats())  # adapters' counters (CUDA's)
     return info
 
 

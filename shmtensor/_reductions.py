@@ -23,7 +23,6 @@ import copyreg
 import io
 import pickle
 import sys
-import threading
 import types
 from collections import ChainMap
 from collections.abc import Callable
@@ -33,70 +32,13 @@ from multiprocessing.reduction import ForkingPickler
 import cloudpickle
 import numpy as np
 
-from shmtensor.ipc import ofd_lease, scm_rights
+from shmtensor.ipc import scm_rights
 
-from . import _segments, _stats, _strategy
+from . import _registry, _segments, _stats, _strategy, _wire
 from ._segments import FD, Segment
+from ._wire import (LaneContext, RecvContext, SendContext, attach_fd, inflight_index,
+                    keep_alive, received_fd, received_lease, take_received_fd)
 
-_local = threading.local()
-
-
-class SendContext:
-    """What one outgoing message needs besides its bytes: fds to attach and refs to keep.
-
-    In-flight lock descriptions are made by :meth:`wire_fds`, right before the send, so a
-    message waiting in a queue's buffer costs no fd (its anchors keep the holds meanwhile).
-    """
-
-    __slots__ = ("fds", "owned", "keep", "inflight", "memo", "__weakref__")
-
-    def __init__(self) -> None:
-        self.fds: list[int] = []
-        self.owned: list[int] = []   # in-flight lock descriptions: closed once sent
-        self.keep: list = []          # anchors that must outlive the send
-        self.inflight: dict[tuple, tuple[int, list[int]]] = {}  # (table, file) -> fd index, slots
-        self.memo: dict = {}          # what reducers did once for the whole message
-
-    def wire_fds(self) -> list[int]:
-        """The fds to send: segment fds plus one fresh in-flight description per lease
-        table file (see ``ofd_lease.SHARDS``)."""
-        for (table_id, _), (i, slots) in self.inflight.items():
-            if self.fds[i] < 0:
-                fd = ofd_lease.inflight_fd(table_id, slots)
-                self.owned.append(fd)
-                self.fds[i] = fd
-        return self.fds
-
-    def release(self) -> None:
-        owned, self.owned = self.owned, []
-        scm_rights.close_fds(owned)
-        self.keep = []
-        self.fds = []
-
-    def __del__(self) -> None:
-        if self.owned:  # never sent, nor released
-            self.release()
-
-
-class LaneContext(SendContext):
-    """The context of a message sent without a pickler (see ``_Pickler.lanes``): the data
-    fd, if any (``fd`` None: none), then one in-flight description of one lease slot,
-    made when the message is sent.  ``keep`` keeps the data fd open until then."""
-
-    __slots__ = ("table_id", "slot")
-
-    def __init__(self, keep, fd: int | None, table_id: str, slot: int) -> None:
-        self.keep = [keep]
-        self.fds = [-1] if fd is None else [fd, -1]
-        self.owned = []
-        self.table_id, self.slot = table_id, slot
-
-    def wire_fds(self) -> list[int]:
-        fds = self.fds
-        if fds[-1] < 0:
-            fds[-1] = ofd_lease.inflight_fd(self.table_id, (self.slot,))
-            self.owned.append(fds[-1])
-        return fds
 
 
 def _dt(dt: np.dtype):
@@ -180,7 +122,7 @@ def _numpy_lane_loads(data, fds: list[int]):
     """The array of a :func:`_numpy_lane_dumps` message; closes every fd it does not keep.
     Its hold is made as :func:`loads` makes one: deferred while loading, then established
     (keeping the message's description, which covers this one slot)."""
-    ctx = _RecvContext(fds)
+    ctx = RecvContext(fds)
     loaded = False
     try:
         (key, kind, size, table_id, slot, offset, shape, strides, dtype,
@@ -203,83 +145,8 @@ def _numpy_lane_loads(data, fds: list[int]):
             scm_rights.close_fds(fds)
 
 
-def _send_context() -> SendContext:
-    ctx: SendContext | None = getattr(_local, "send", None)
-    if ctx is None:
-        raise pickle.PicklingError("shmtensor segments and CUDA handles travel only on "
-                                   "shmtensor channels")
-    return ctx
-
-
-def inflight_index(table_id: str, slot: int) -> int:
-    """Index (among the message's fds) of the in-flight lock that will cover ``slot``."""
-    ctx = _send_context()
-    key = (table_id, slot % ofd_lease.SHARDS)
-    entry = ctx.inflight.get(key)
-    if entry is None:
-        ctx.fds.append(-1)  # placeholder: SendContext.wire_fds makes the description
-        entry = ctx.inflight[key] = (len(ctx.fds) - 1, [])
-    entry[1].append(slot)
-    return entry[0]
-
-
-def keep_alive(obj) -> None:
-    """Keep ``obj`` alive until the message being pickled has been sent."""
-    _send_context().keep.append(obj)
-
-
-def attach_fd(fd: int) -> int:
-    """Send ``fd`` with the message being pickled: its index.  The caller keeps ``fd`` open
-    until the message is sent (what the reducer passes to :func:`keep_alive` does)."""
-    ctx = _send_context()
-    ctx.fds.append(fd)
-    return len(ctx.fds) - 1
-
-
-def message_memo() -> dict:
-    """A dict that lives as long as the message being pickled or unpickled: for work done
-    once per message, whatever the number of arrays in it."""
-    ctx = getattr(_local, "recv", None)
-    return (ctx if ctx is not None else _send_context()).memo
-
-
-def after_loading(fn) -> None:
-    """Call ``fn()`` once the message being unpickled is loaded (or failed to load)."""
-    _local.recv.after.append(fn)
-
-
-def take_received_fd(i: int) -> int:
-    """Keep the ``i``-th fd of the message being unpickled (it is not closed after loading)."""
-    fd = received_fd(i)
-    _local.recv.fds[i] = -1
-    return fd
-
-
-def received_lease(table_id: str, slot: int, lock_i: int) -> tuple[int, list]:
-    """The in-flight description ``lock_i`` that covers ``slot`` of ``table_id`` in the
-    message being unpickled, and the list to give ``ofd_lease.hold`` as ``deferred``: a new
-    hold is made real when the message is loaded, by keeping that description itself when
-    it covers this one slot alone."""
-    ctx = _local.recv
-    claims = ctx.claims.get(lock_i)
-    if claims is None:
-        claims = ctx.claims[lock_i] = set()
-    claims.add((table_id, slot))
-    return ctx.fds[lock_i], ctx.deferred
-
-
-def received_fd(i: int) -> int:
-    """The ``i``-th fd that came with the message being unpickled."""
-    ctx: _RecvContext | None = getattr(_local, "recv", None)
-    if ctx is None:
-        raise pickle.UnpicklingError(
-            "this pickle holds a shmtensor handle and can only be loaded from the shmtensor "
-            "channel it was sent on")
-    return ctx.fds[i]
-
-
 def _reduce_segment(seg: Segment):
-    ctx = _send_context()
+    ctx = _wire.send_context()
     ctx.keep.append(seg.anchor())
     i = inflight_index(seg.table_id, seg.slot)
     d = attach_fd(seg.fd) if seg.kind == FD else -1
@@ -309,29 +176,15 @@ class RemoteError(Exception):
                 "super().__init__)")
 
 
-_OURS = {np.ndarray: _reduce_ndarray, Segment: _reduce_segment,
-         ExceptionWithTraceback: _reduce_exception_with_traceback}
-
-
-def _cupy_reducers() -> dict:
-    cp = sys.modules.get("cupy")
-    if cp is None:
-        return {}
-    from .cuda import _ipc
-    return {cp.ndarray: _ipc.reduce_cupy_array, cp.cuda.Event: _ipc.reduce_cupy_event}
-
-
-def _lanes() -> dict:
-    lanes = {np.ndarray: _numpy_lane_dumps}
-    vmm, cp = sys.modules.get("shmtensor.cuda._vmm"), sys.modules.get("cupy")
-    if vmm is not None and cp is not None:
-        lanes[cp.ndarray] = vmm.lane_dumps
-    return lanes
+_registry.register(np.ndarray, _reduce_ndarray, _numpy_lane_dumps)
+_registry.register(Segment, _reduce_segment)
+_registry.register(ExceptionWithTraceback, _reduce_exception_with_traceback)
 
 
 class _Pickler(pickle.Pickler):
-    """The fast pickler: shmtensor's reducers ahead of multiprocessing's and copyreg's, in
-    one plain dict (rebuilt when another library registers reducers or CuPy appears)."""
+    """The fast pickler: the registered reducers (:mod:`shmtensor._registry`) ahead of
+    multiprocessing's and copyreg's, in one plain dict (rebuilt when a reducer is registered
+    anywhere, or a lazily registered library such as CuPy is imported)."""
 
     dispatch_table: dict = {}
     lanes: dict = {}  # type -> f(obj): (payload, SendContext) without a pickler, or None
@@ -339,14 +192,15 @@ class _Pickler(pickle.Pickler):
 
     @classmethod
     def refresh(cls) -> None:
+        _registry.install_pending()
         sig = (len(copyreg.dispatch_table), len(ForkingPickler._extra_reducers),
-               "cupy" in sys.modules, "shmtensor.cuda._vmm" in sys.modules)
+               _registry.version)
         if sig != cls._signature:
+            reducers, lanes = _registry.tables()
             table = dict(copyreg.dispatch_table)
             table.update(ForkingPickler._extra_reducers)
-            table.update(_OURS)
-            table.update(_cupy_reducers())
-            cls.lanes = _lanes()
+            table.update(reducers)
+            cls.lanes = lanes
             cls.dispatch_table, cls._signature = table, sig
             # the C pickler reads the table when a pickler is made: a class attribute
             _CloudPickler.dispatch_table = ChainMap(table, cloudpickle.Pickler.dispatch_table)
@@ -399,8 +253,8 @@ def _named_in_main(obj) -> bool:
 
 def _dump(pickler_cls, obj) -> tuple[bytes, SendContext]:
     ctx = SendContext()
-    prev = getattr(_local, "send", None)
-    _local.send = ctx
+    prev = getattr(_wire.current, "send", None)
+    _wire.current.send = ctx
     buf = io.BytesIO()
     try:
         pickler_cls(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
@@ -408,7 +262,7 @@ def _dump(pickler_cls, obj) -> tuple[bytes, SendContext]:
         ctx.release()
         raise
     finally:
-        _local.send = prev
+        _wire.current.send = prev
     # bytes, not getbuffer()'s view (no copy either way): CPython 3.12.0-3.12.1's GC
     # crashes on a BytesIO view in a reference cycle (gh-111049), as a kept error makes
     return buf.getvalue(), ctx
@@ -468,49 +322,22 @@ def _dump_by_value(obj, undo, first: BaseException | None) -> tuple[bytes, SendC
         raise first from None
 
 
-class _RecvContext:
-    __slots__ = ("fds", "after", "memo", "claims", "deferred")
-
-    def __init__(self, fds: list[int]) -> None:
-        self.fds = fds
-        self.after: list = []
-        self.memo: dict = {}
-        self.claims: dict[int, set] = {}  # in-flight description's index -> slots it covers
-        self.deferred: list = []          # holds to make real once loaded (ofd_lease.hold)
-
-    def establish(self, loaded: bool) -> None:
-        """Make the deferred holds real, keeping a description that covers one slot (only
-        after a complete load: a failed one may not have claimed every slot it covers).
-        Every entry is tried; the first error is raised after."""
-        error = None
-        for table_id, slot, fd in self.deferred:
-            try:
-                i = self.fds.index(fd)
-                sole = loaded and len(self.claims.get(i, ())) == 1
-                if ofd_lease.establish(table_id, slot, fd, sole):
-                    self.fds[i] = -1  # kept: not closed by loads
-            except Exception as e:  # e.g. no locks left: the load fails, nothing leaks
-                error = error or e
-        if error is not None:
-            raise error
-
-
 def loads(data, fds: list[int]):
     """Unpickle a message from a shmtensor channel; closes every fd it did not keep."""
     if not fds:
         return pickle.loads(data)
     if data and data[0] == 0:  # a lane: pickle data starts with PROTO (0x80)
         return _lane_loads(data, fds)
-    ctx = _RecvContext(fds)
-    prev = getattr(_local, "recv", None)
-    _local.recv = ctx
+    ctx = RecvContext(fds)
+    prev = getattr(_wire.current, "recv", None)
+    _wire.current.recv = ctx
     loaded = False
     try:
         obj = pickle.loads(data)
         loaded = True
         return obj
     finally:
-        _local.recv = prev
+        _wire.current.recv = prev
         try:
             if ctx.deferred:
                 ctx.establish(loaded)
@@ -520,22 +347,18 @@ def loads(data, fds: list[int]):
             scm_rights.close_fds(fds)
 
 
-_vmm = None  # shmtensor.cuda._vmm, imported by the first message that needs it
-
-
 def _lane_loads(data, fds: list[int]):
-    """A message sent without a pickler (see ``_Pickler.lanes``): one shared array."""
-    global _vmm
+    """A message sent without a pickler (see ``_Pickler.lanes``): one object, loaded by the
+    lane kind's registered loader."""
     kind = bytes(data[:2])
     if kind == NUMPY_LANE:
         return _numpy_lane_loads(data, fds)
-    if _vmm is None:
-        from .cuda import _vmm
-    if kind == _vmm.LANE:
-        return _vmm.lane_loads(data, fds)
-    scm_rights.close_fds(fds)
-    raise pickle.UnpicklingError(f"unknown message kind {kind!r}: the sender runs another "
-                                 "shmtensor version")
+    loader = _registry.lane_loader(kind)
+    if loader is None:
+        scm_rights.close_fds(fds)
+        raise pickle.UnpicklingError(f"unknown message kind {kind!r}: the sender runs another "
+                                     "shmtensor version, or an adapter this process lacks")
+    return loader(data, fds)
 
 
 def _rebuild_segment(key, kind, size, table_id, slot, data_i, lock_i):

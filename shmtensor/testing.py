@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from shmtensor.ipc import janitor, ofd_lease, posix_shm, procfs
+from shmtensor.ipc import cuda_ipc, janitor, ofd_lease, posix_shm, procfs
 
 __all__ = ["LeakError", "leak_checker", "Leak"]
 
@@ -101,9 +101,8 @@ class leak_checker:
         multiprocessing.active_children()  # reaps exited children the stdlib keeps until then
         gc.collect()
         shmtensor.empty_cache()
-        cuda = sys.modules.get("shmtensor.cuda._ipc")
-        if cuda is not None:
-            cuda.collect()
+        if not cuda_ipc.bad_fork():  # a forked child of a CUDA parent cannot ask the driver
+            shmtensor.cuda.ipc_collect()  # imports nothing CUDA until CUDA was used
 
     def leaks(self) -> list[Leak]:
         """What is still there now (after collecting this process's garbage and idle caches)."""
@@ -140,8 +139,8 @@ class leak_checker:
                 leaks.append(Leak("segment", f"memfd {name}", {
                     "size": use.size, "creator": f"{parsed[0]} (dead)",
                     "mapped_by": sorted(others)}))
-        cuda = sys.modules.get("shmtensor.cuda._ipc")
-        for ex in cuda.exports() if cuda is not None else []:
+        import shmtensor.cuda
+        for ex in shmtensor.cuda.exports():
             leaks.append(Leak("cuda-export", f"device {ex['device']} block {ex['base']:#x}", {
                 "size": ex["size"], "held_elsewhere": ex["held"]}))
         if self.check_fds:

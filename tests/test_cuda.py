@@ -399,7 +399,7 @@ def test_vmm_a_mapping_is_pinned_while_a_message_is_built_on_it(cp, ctx, lc, mon
     real = ofd_lease.hold_sole
 
     def evicting(*args):
-        _vmm._evict(0, 0)  # what a release run by a GC pass inside the load may do
+        _vmm._evict(0, 0)  # what another thread's drain may do meanwhile
         return real(*args)
 
     monkeypatch.setattr(ofd_lease, "hold_sole", evicting)
@@ -427,7 +427,8 @@ def test_cuda_release_waits_for_the_receivers_stream(cp, ctx, stream):
         ch.slow_fill(b, 5.0, 1_000_000_000)  # ~0.5 s of GPU time on that stream
         del b  # released only once that work is done, whoever flushes the release
     time.sleep(0.2)
-    shmtensor.cuda._ipc._drain(block=False)
+    from shmtensor.cuda import _release
+    _release.drain(block=False)
     assert ofd_lease.own_table().is_held(slot)  # the kernel still runs
     s.synchronize()
     deadline = time.monotonic() + 10

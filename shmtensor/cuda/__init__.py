@@ -17,12 +17,41 @@ from __future__ import annotations
 
 from shmtensor.ipc import cuda_ipc
 
-from . import _ipc
-from ._ipc import IpcEvent
+from .. import _registry
+from . import _device
 
 __all__ = ["is_available", "device_count", "ipc_collect", "exports", "IpcEvent", "malloc",
            "set_allocator", "using_allocator", "empty", "zeros", "ones", "full", "empty_like",
            "zeros_like"]
+
+
+def __getattr__(name: str):
+    if name == "IpcEvent":
+        from ._events import IpcEvent
+        return IpcEvent
+    raise AttributeError(f"module 'shmtensor.cuda' has no attribute {name!r}")
+
+
+# The core never imports this package: it registers itself (``shmtensor`` imports it).
+def _install_cupy() -> None:
+    """CuPy was imported: its arrays and interprocess events cross by shmtensor's reducers."""
+    from . import _reducers
+    _reducers.register()
+
+
+def _lane_loads(data, fds):
+    from . import _vmm
+    return _vmm.lane_loads(data, fds)
+
+
+def _stats() -> dict:
+    from . import _reducers  # no CuPy import: counters of empty tables until it is used
+    return _reducers.stats()
+
+
+_registry.register_lazy("cupy", _install_cupy)
+_registry.register_lane_kind(b"\0V", _lane_loads)  # _vmm.LANE
+_registry.register_stats(_stats)
 
 
 def device_count() -> int:
@@ -40,13 +69,15 @@ def is_available() -> bool:
 
 def ipc_collect() -> int:
     """Let go of device memory this process exported and nobody holds any more."""
-    cuda_ipc.check_not_bad_fork()
-    return _ipc.collect()
+    cuda_ipc.check_not_bad_fork()  # before any driver call
+    from . import _reducers
+    return _reducers.collect()
 
 
 def exports() -> list[dict]:
     """Device allocations this process keeps for other processes, and whether still held."""
-    return _ipc.exports()
+    from . import _reducers
+    return _reducers.exports()
 
 
 def malloc(nbytes: int):
@@ -59,13 +90,13 @@ def malloc(nbytes: int):
 def set_allocator() -> None:
     """Make every CuPy allocation in this process shared device memory (see :func:`malloc`)."""
     from . import _vmm
-    _ipc.cupy().cuda.set_allocator(_vmm.malloc)  # what malloc calls, one call fewer
+    _device.cupy().cuda.set_allocator(_vmm.malloc)  # what malloc calls, one call fewer
 
 
 def using_allocator():
     """Context manager: CuPy allocations on this thread are shared device memory inside."""
     from . import _vmm
-    return _ipc.cupy().cuda.using_allocator(_vmm.malloc)
+    return _device.cupy().cuda.using_allocator(_vmm.malloc)
 
 
 def _make(fn, *args, **kwargs):
@@ -75,25 +106,25 @@ def _make(fn, *args, **kwargs):
 
 def empty(shape, dtype=float, order="C"):
     """An uninitialised CuPy array in shared device memory (current device)."""
-    return _make(_ipc.cupy().empty, shape, dtype, order)
+    return _make(_device.cupy().empty, shape, dtype, order)
 
 
 def zeros(shape, dtype=float, order="C"):
     """A CuPy array of zeros in shared device memory (current device)."""
-    return _make(_ipc.cupy().zeros, shape, dtype, order)
+    return _make(_device.cupy().zeros, shape, dtype, order)
 
 
 def ones(shape, dtype=float, order="C"):
-    return _make(_ipc.cupy().ones, shape, dtype, order)
+    return _make(_device.cupy().ones, shape, dtype, order)
 
 
 def full(shape, fill_value, dtype=None, order="C"):
-    return _make(_ipc.cupy().full, shape, fill_value, dtype, order)
+    return _make(_device.cupy().full, shape, fill_value, dtype, order)
 
 
 def empty_like(a, dtype=None, order="K", shape=None):
-    return _make(_ipc.cupy().empty_like, a, dtype, order, shape=shape)
+    return _make(_device.cupy().empty_like, a, dtype, order, shape=shape)
 
 
 def zeros_like(a, dtype=None, order="K", shape=None):
-    return _make(_ipc.cupy().zeros_like, a, dtype, order, shape=shape)
+    return _make(_device.cupy().zeros_like, a, dtype, order, shape=shape)

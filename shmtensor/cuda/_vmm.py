@@ -22,14 +22,15 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import queue
 import threading
 from collections import OrderedDict, deque
 
 from shmtensor.ipc import cuda_ipc, cuda_vmm, ofd_lease
 from shmtensor.ipc.scm_rights import close_fds
 
-from .. import _reductions
-from . import _ipc
+from .. import _wire
+from . import _device, _events, _release
 
 SMALL_MAX = 1 << 20         # requests up to this many bytes share slabs
 MIN_BLOCK = 512             # smallest block (CuPy's own pool rounds to 512 B too)
@@ -44,7 +45,8 @@ _free: dict[tuple, list] = {}                        # (device, stream, block) -
 _held: dict[tuple, deque] = {}                       # same keys: freed here, held elsewhere
 _maps: "OrderedDict[str, _SlabMap]" = OrderedDict()  # other processes' slabs, LRU
 _granularity: dict[int, int] = {}
-_bus_ids: dict[int, str] = {}
+_freed: queue.SimpleQueue = queue.SimpleQueue()  # (slab, index, stream) of dead _Blocks
+_ready: dict[int, str] = {}                          # device -> bus id, once VMM is checked
 
 
 class _Mapped:
@@ -66,30 +68,25 @@ class _SlabMap(_Mapped):
 
 
 class _Block:
-    """Owner of one allocated block in its producer: its death frees the block."""
+    """Owner of one allocated block in its producer: its death enqueues the block for the
+    next :func:`malloc` (or :func:`collect`) to free (a finalizer takes no lock)."""
 
     __slots__ = ("slab", "index", "stream")
 
     def __del__(self) -> None:
-        try:
-            _free_block(self.slab, self.index, self.stream)
-        except Exception:  # interpreter shutdown: the driver frees everything with us
-            pass
+        _freed.put((self.slab, self.index, self.stream))
 
 
 class _VUse:
     """Owner of a received array on a block (and of its views): holds the block's lease
-    once, and its death releases that hold once this process's work on the device is done (a
-    ``__del__``, lighter than a weak reference with a callback on a path taken once per
-    message; it takes no module lock, as it may run inside any locked section)."""
+    once, and its death enqueues the release of that hold (:mod:`._release`: after this
+    process's work on the device is done).  A ``__del__``, lighter than a weak reference
+    with a callback on a path taken once per message; it takes no lock."""
 
     __slots__ = ("slab", "table_id", "slot", "done")
 
     def __del__(self) -> None:
-        try:
-            _ipc._release(self.slab.device, self.table_id, self.slot, self.done)
-        except Exception:  # interpreter shutdown: dying releases anyway
-            pass
+        _release.enqueue(self.slab.device, self.table_id, self.slot, self.done)
 
 
 SHARED_OWNERS = (_Block, _VUse)
@@ -104,7 +101,7 @@ def _block_size(device: int, nbytes: int) -> int:
 
 def _prepare(cp, device: int) -> None:
     """Check once per device that VMM with POSIX fds works there; learn its granularity."""
-    if device in _bus_ids:
+    if device in _ready:
         return
     if not cuda_vmm.supported(device):
         raise RuntimeError(
@@ -113,10 +110,12 @@ def _prepare(cp, device: int) -> None:
             "allocator instead; such arrays still cross processes by CUDA IPC, but their "
             "producer must stay alive until every consumer has let go")
     _granularity[device] = cuda_vmm.granularity(device)
-    _bus_ids[device] = cp.cuda.runtime.deviceGetPCIBusId(device)  # last: marks it ready
+    _ready[device] = _device.bus_id(cp, device)  # last: marks it ready
 
 
-def _new_slab(cp, device: int, block: int, key: tuple) -> tuple["_Slab", int]:
+def _new_slab(cp, device: int, block: int) -> "_Slab":
+    """A slab of blocks of ``block`` bytes: driver calls only, made outside ``_lock`` (an
+    allocation, or a retry after giving memory back, must not stall other threads)."""
     global _serial
     size = max(block, _granularity[device])
     try:
@@ -140,17 +139,22 @@ def _new_slab(cp, device: int, block: int, key: tuple) -> tuple["_Slab", int]:
     finally:
         cuda_vmm.release(device, handle)  # the mapping (and the fd) keep the memory
     s = _Slab()
-    _serial += 1
-    s.key = f"{ofd_lease.own_table().id}.{_serial}"
-    s.device, s.bus_id, s.ptr, s.size, s.fd, s.block = (device, _bus_ids[device], ptr, size,
+    with _lock:
+        _serial += 1
+        serial = _serial
+    s.key = f"{ofd_lease.own_table().id}.{serial}"
+    s.device, s.bus_id, s.ptr, s.size, s.fd, s.block = (device, _ready[device], ptr, size,
                                                           fd, block)
-    n = size // block
-    s.slots = [0] * n
+    s.slots = [0] * (size // block)
     s.live = 1
+    return s
+
+
+def _add_slab(s: "_Slab", key: tuple) -> None:
+    """Make ``s`` (block 0 taken) this process's (caller holds ``_lock``)."""
     _slabs[s.key] = s
-    if n > 1:
-        _free.setdefault(key, []).extend((s, i) for i in range(n - 1, 0, -1))
-    return s, 0
+    if len(s.slots) > 1:
+        _free.setdefault(key, []).extend((s, i) for i in range(len(s.slots) - 1, 0, -1))
 
 
 def _reclaim(key: tuple):
@@ -167,9 +171,15 @@ def _reclaim(key: tuple):
     return None
 
 
-def _free_block(slab: _Slab, index: int, stream: int) -> None:
-    key = (slab.device, stream, slab.block)
-    with _lock:
+def _take_freed() -> None:
+    """Free the blocks whose owners died since (caller holds ``_lock``)."""
+    get = _freed.get_nowait
+    while True:
+        try:
+            slab, index, stream = get()
+        except queue.Empty:
+            return
+        key = (slab.device, stream, slab.block)
         if slab.slots[index]:  # it was sent: reusable once nobody holds it (see _reclaim)
             held = _held.get(key)
             if held is None:
@@ -183,24 +193,31 @@ def _free_block(slab: _Slab, index: int, stream: int) -> None:
 def malloc(nbytes: int):
     """CuPy allocator: ``nbytes`` of shared device memory on the current device and stream
     (what ``cupy.cuda.set_allocator(shmtensor.cuda.malloc)`` installs)."""
-    cp = _ipc.cupy()
+    cp = _device.cupy()
     device = cp.cuda.runtime.getDevice()
     stream = cp.cuda.get_current_stream().ptr
     block = (max(MIN_BLOCK, 1 << (nbytes - 1).bit_length()) if 0 < nbytes <= SMALL_MAX
              else None)
-    with _lock:
+    if block is None or device not in _ready:
+        _prepare(cp, device)  # driver calls, once per device: outside the lock
         if block is None:
-            _prepare(cp, device)
             block = _block_size(device, nbytes)
-        key = (device, stream, block)
+    key = (device, stream, block)
+    with _lock:
+        if not _freed.empty():
+            _take_freed()
         free = _free.get(key)
         if free:
-            slab, i = free.pop()
-            slab.live += 1
+            found = free.pop()
+            found[0].live += 1
         else:
-            _prepare(cp, device)
             found = _reclaim(key)
-            slab, i = found if found is not None else _new_slab(cp, device, block, key)
+    if found is None:
+        slab = _new_slab(cp, device, block)
+        with _lock:
+            _add_slab(slab, key)
+        found = slab, 0
+    slab, i = found
     b = _Block()
     b.slab, b.index, b.stream = slab, i, stream
     mem = cp.cuda.UnownedMemory(slab.ptr + i * block, nbytes or 1, b, device)
@@ -228,18 +245,18 @@ def reduce_array(cp, arr, mem, owner):
         slab, table_id, slot = owner.slab, owner.table_id, owner.slot
     # the array kept alive with the message keeps the slab's fd open until it is sent: a
     # live block of an own slab, or a use of a mapping
-    _reductions.keep_alive(mem)
-    memo = _reductions.message_memo()
+    _wire.keep_alive(mem)
+    memo = _wire.message_memo()
     fd_i = memo.get(slab.key)
     if fd_i is None:
-        fd_i = memo[slab.key] = _reductions.attach_fd(slab.fd)
+        fd_i = memo[slab.key] = _wire.attach_fd(slab.fd)
     device = slab.device
     if cp.cuda.runtime.getDevice() == device:
-        ev = _ipc._order(cp, device)
+        ev = _events.order(cp, device)
     else:
         with cp.cuda.Device(device):
-            ev = _ipc._order(cp, device)
-    lock_i = _reductions.inflight_index(table_id, slot)
+            ev = _events.order(cp, device)
+    lock_i = _wire.inflight_index(table_id, slot)
     return _rebuild_array, (slab.key, slab.bus_id, slab.size, fd_i, arr.data.ptr - slab.ptr,
                             arr.shape, arr.strides, arr.dtype.str, table_id, slot, lock_i, ev)
 
@@ -249,21 +266,16 @@ def _mapping(key: str, bus_id: str, size: int, fd: int) -> tuple[_Mapped, bool]:
     the slab's fd); True when ``fd`` was kept for the mapping (caller holds ``_lock``).
 
     Another process's slab comes back *pinned* (one more user): the caller unpins it with
-    :func:`_unpin` once a use counts.  ``_lock`` is re-entrant, so a GC pass in this thread
-    may run a release that evicts idle mappings: the pin keeps this one out of it."""
+    :func:`_unpin` once a use counts: the pin keeps it from being evicted as idle before."""
     s = _slabs.get(key)
     if s is not None:  # back where it was made: this process's own mapping
         return s, False
-    while True:
-        m = _maps.get(key)
-        if m is None:
-            break
+    m = _maps.get(key)
+    if m is not None:
         m.users += 1
-        if _maps.get(key) is m:  # not evicted between the lookup and the pin
-            _maps.move_to_end(key)
-            return m, False
-        m.users -= 1
-    device = _ipc._local_device(_ipc.cupy(), bus_id)
+        _maps.move_to_end(key)
+        return m, False
+    device = _device.local_device(_device.cupy(), bus_id)
     handle = cuda_vmm.import_fd(device, fd)
     try:
         ptr = cuda_vmm.map_handle(device, handle, size)
@@ -326,23 +338,25 @@ def _array(cp, s: _Mapped, use: "_VUse", offset, shape, strides, dtype):
 
 def _rebuild_array(key, bus_id, size, fd_i, offset, shape, strides, dtype, table_id, slot,
                    lock_i, event_handle):
-    cp = _ipc.cupy()
-    lease_fd, deferred = _reductions.received_lease(table_id, slot, lock_i)
+    cp = _device.cupy()
+    _release.poll()
+    _release.ensure_releaser()
+    lease_fd, deferred = _wire.received_lease(table_id, slot, lock_i)
     with _lock:
-        s, took = _mapping(key, bus_id, size, _reductions.received_fd(fd_i))
+        s, took = _mapping(key, bus_id, size, _wire.received_fd(fd_i))
         try:
             if took:
-                _reductions.take_received_fd(fd_i)
+                _wire.take_received_fd(fd_i)
             use, _ = _use(s, table_id, slot, lease_fd, deferred)
         finally:
             _unpin(s)  # the use counts as a user now
     if cp.cuda.runtime.getDevice() == s.device:
         if event_handle is not None:
-            _ipc.wait_event(cp, event_handle)
+            _events.wait(cp, event_handle)
         return _array(cp, s, use, offset, shape, strides, dtype)
     with cp.cuda.Device(s.device):
         if event_handle is not None:
-            _ipc.wait_event(cp, event_handle)
+            _events.wait(cp, event_handle)
         return _array(cp, s, use, offset, shape, strides, dtype)
 
 
@@ -369,10 +383,10 @@ def lane_dumps(arr):
         slab, table_id, slot = owner.slab, owner.table_id, owner.slot
     else:
         return None
-    cp = _ipc._cp
+    cp = _device._cp
     if cuda_ipc.bad_fork() or cp.cuda.runtime.getDevice() != slab.device:
         return None  # the general path says what is wrong, or switches devices
-    ev = _ipc.order_now(cp, slab.device, cp.cuda.get_current_stream())
+    ev = _events.order_now(cp, slab.device, cp.cuda.get_current_stream())
     # strides None: C-contiguous with no axis of length 1 (whose stride CuPy's flag
     # ignores), so the receiver's ndarray may compute them, which is faster than checking
     shape = arr.shape
@@ -385,7 +399,7 @@ def lane_dumps(arr):
               table_id, slot, ev)
     # the array's memory, kept until sent, keeps the slab's fd open (see reduce_array)
     return (LANE + pickle.dumps(fields, pickle.HIGHEST_PROTOCOL),
-            _reductions.LaneContext(mem, slab.fd, table_id, slot))
+            _wire.LaneContext(mem, slab.fd, table_id, slot))
 
 
 def lane_loads(data, fds: list[int]):
@@ -398,7 +412,9 @@ def lane_loads(data, fds: list[int]):
          event_handle) = pickle.loads(memoryview(data)[len(LANE):])
         if len(fds) != 2:
             raise pickle.UnpicklingError(f"a shared CUDA array came with {len(fds)} fds, not 2")
-        cp = _ipc.cupy()
+        cp = _device.cupy()
+        _release.poll()
+        _release.ensure_releaser()
         with _lock:
             s = _slabs.get(key)
             if s is None:  # another process's slab: mapped, and pinned, which is the use's count
@@ -425,10 +441,10 @@ def lane_loads(data, fds: list[int]):
         if cp.cuda.runtime.getDevice() != device:
             with cp.cuda.Device(device):
                 if event_handle is not None:
-                    _ipc.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
+                    _events.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
                 return _array(cp, s, use, offset, shape, strides, dtype)
         if event_handle is not None:
-            _ipc.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
+            _events.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
         ptr = cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(s.ptr, s.size, use, device), offset)
         if strides is None:
             return cp.ndarray(shape, dt, ptr)
@@ -477,6 +493,7 @@ def collect() -> int:
     other processes' slabs.  Returns the slabs given back."""
     table = ofd_lease.own_table() if _slabs else None
     with _lock:
+        _take_freed()
         for key, held in list(_held.items()):
             for _ in range(len(held)):
                 slab, i = held.popleft()

@@ -1,0 +1,179 @@
+"""What travels with a message besides its pickle bytes, while it is pickled or unpickled.
+
+A reducer (numpy's in :mod:`shmtensor._reductions`, CuPy's in :mod:`shmtensor.cuda`, any
+registered through :mod:`shmtensor._registry`) runs inside one message's *send context*:
+it attaches fds, keeps objects alive until the message is sent, and names the lease slots
+the message's in-flight lock must cover.  A rebuild function runs inside the matching
+*receive context*: it finds those fds and the lease descriptions that cover its slots.
+This module owns both contexts (one per thread, set by the pickling code) and nothing else,
+so the core and the CUDA code import it without importing each other.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+from shmtensor.ipc import ofd_lease, scm_rights
+
+current = threading.local()  # .send: SendContext, .recv: RecvContext of this thread's message
+
+
+class SendContext:
+    """What one outgoing message needs besides its bytes: fds to attach and refs to keep.
+
+    In-flight lock descriptions are made by :meth:`wire_fds`, right before the send, so a
+    message waiting in a queue's buffer costs no fd (its anchors keep the holds meanwhile).
+    """
+
+    __slots__ = ("fds", "owned", "keep", "inflight", "memo", "__weakref__")
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+        self.owned: list[int] = []   # in-flight lock descriptions: closed once sent
+        self.keep: list = []          # anchors that must outlive the send
+        self.inflight: dict[tuple, tuple[int, list[int]]] = {}  # (table, file) -> fd index, slots
+        self.memo: dict = {}          # what reducers did once for the whole message
+
+    def wire_fds(self) -> list[int]:
+        """The fds to send: segment fds plus one fresh in-flight description per lease
+        table file (see ``ofd_lease.SHARDS``)."""
+        for (table_id, _), (i, slots) in self.inflight.items():
+            if self.fds[i] < 0:
+                fd = ofd_lease.inflight_fd(table_id, slots)
+                self.owned.append(fd)
+                self.fds[i] = fd
+        return self.fds
+
+    def release(self) -> None:
+        owned, self.owned = self.owned, []
+        scm_rights.close_fds(owned)
+        self.keep = []
+        self.fds = []
+
+    def __del__(self) -> None:
+        if self.owned:  # never sent, nor released
+            self.release()
+
+
+class LaneContext(SendContext):
+    """The context of a message sent without a pickler (see ``_Pickler.lanes``): the data
+    fd, if any (``fd`` None: none), then one in-flight description of one lease slot,
+    made when the message is sent.  ``keep`` keeps the data fd open until then."""
+
+    __slots__ = ("table_id", "slot")
+
+    def __init__(self, keep, fd: int | None, table_id: str, slot: int) -> None:
+        self.keep = [keep]
+        self.fds = [-1] if fd is None else [fd, -1]
+        self.owned = []
+        self.table_id, self.slot = table_id, slot
+
+    def wire_fds(self) -> list[int]:
+        fds = self.fds
+        if fds[-1] < 0:
+            fds[-1] = ofd_lease.inflight_fd(self.table_id, (self.slot,))
+            self.owned.append(fds[-1])
+        return fds
+
+
+class RecvContext:
+    __slots__ = ("fds", "after", "memo", "claims", "deferred")
+
+    def __init__(self, fds: list[int]) -> None:
+        self.fds = fds
+        self.after: list = []
+        self.memo: dict = {}
+        self.claims: dict[int, set] = {}  # in-flight description's index -> slots it covers
+        self.deferred: list = []          # holds to make real once loaded (ofd_lease.hold)
+
+    def establish(self, loaded: bool) -> None:
+        """Make the deferred holds real, keeping a description that covers one slot (only
+        after a complete load: a failed one may not have claimed every slot it covers).
+        Every entry is tried; the first error is raised after."""
+        error = None
+        for table_id, slot, fd in self.deferred:
+            try:
+                i = self.fds.index(fd)
+                sole = loaded and len(self.claims.get(i, ())) == 1
+                if ofd_lease.establish(table_id, slot, fd, sole):
+                    self.fds[i] = -1  # kept: not closed by loads
+            except Exception as e:  # e.g. no locks left: the load fails, nothing leaks
+                error = error or e
+        if error is not None:
+            raise error
+
+
+def send_context() -> SendContext:
+    ctx: SendContext | None = getattr(current, "send", None)
+    if ctx is None:
+        raise pickle.PicklingError("shmtensor segments and CUDA handles travel only on "
+                                   "shmtensor channels")
+    return ctx
+
+
+def inflight_index(table_id: str, slot: int) -> int:
+    """Index (among the message's fds) of the in-flight lock that will cover ``slot``."""
+    ctx = send_context()
+    key = (table_id, slot % ofd_lease.SHARDS)
+    entry = ctx.inflight.get(key)
+    if entry is None:
+        ctx.fds.append(-1)  # placeholder: SendContext.wire_fds makes the description
+        entry = ctx.inflight[key] = (len(ctx.fds) - 1, [])
+    entry[1].append(slot)
+    return entry[0]
+
+
+def keep_alive(obj) -> None:
+    """Keep ``obj`` alive until the message being pickled has been sent."""
+    send_context().keep.append(obj)
+
+
+def attach_fd(fd: int) -> int:
+    """Send ``fd`` with the message being pickled: its index.  The caller keeps ``fd`` open
+    until the message is sent (what the reducer passes to :func:`keep_alive` does)."""
+    ctx = send_context()
+    ctx.fds.append(fd)
+    return len(ctx.fds) - 1
+
+
+def message_memo() -> dict:
+    """A dict that lives as long as the message being pickled or unpickled: for work done
+    once per message, whatever the number of arrays in it."""
+    ctx = getattr(current, "recv", None)
+    return (ctx if ctx is not None else send_context()).memo
+
+
+def after_loading(fn) -> None:
+    """Call ``fn()`` once the message being unpickled is loaded (or failed to load)."""
+    current.recv.after.append(fn)
+
+
+def take_received_fd(i: int) -> int:
+    """Keep the ``i``-th fd of the message being unpickled (it is not closed after loading)."""
+    fd = received_fd(i)
+    current.recv.fds[i] = -1
+    return fd
+
+
+def received_lease(table_id: str, slot: int, lock_i: int) -> tuple[int, list]:
+    """The in-flight description ``lock_i`` that covers ``slot`` of ``table_id`` in the
+    message being unpickled, and the list to give ``ofd_lease.hold`` as ``deferred``: a new
+    hold is made real when the message is loaded, by keeping that description itself when
+    it covers this one slot alone."""
+    ctx = current.recv
+    claims = ctx.claims.get(lock_i)
+    if claims is None:
+        claims = ctx.claims[lock_i] = set()
+    claims.add((table_id, slot))
+    return ctx.fds[lock_i], ctx.deferred
+
+
+def received_fd(i: int) -> int:
+    """The ``i``-th fd that came with the message being unpickled."""
+    ctx: RecvContext | None = getattr(current, "recv", None)
+    if ctx is None:
+        raise pickle.UnpicklingError(
+            "this pickle holds a shmtensor handle and can only be loaded from the shmtensor "
+            "channel it was sent on")
+    return ctx.fds[i]

@@ -1,0 +1,158 @@
+"""Interprocess CUDA events: ordering a receiver's stream after a sender's work, and
+:class:`IpcEvent`, the events users send themselves.
+
+Each send records one event of a per-device *ring* on the sender's current stream and
+carries its handle; the receiver's stream waits on it (the host never waits).  Re-recording
+an event another process is still waiting on costs ~0.1 ms per send, so the ring keeps
+``RING`` of them apart.  A receiver opens each sender's ring event once and keeps up to
+``RING_OPENED_LIMIT`` of them, closing the oldest first.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from .. import _wire
+from . import _device
+
+RING = 64
+RING_OPENED_LIMIT = 4096
+
+
+class _Events:
+    """Owner of this process's ring events and of the events it opened; one lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.rings: dict[int, list] = {}   # device -> [(event, handle)], up to RING
+        self.next: dict[int, int] = {}     # device -> ring index to record next
+        self.own: dict[bytes, object] = {}  # handle -> this process's ring event
+        self.opened: "OrderedDict[bytes, int]" = OrderedDict()  # others' ring events, LRU
+        self.user: dict[bytes, int] = {}   # handle -> opened pointer (IpcEvent objects)
+
+
+_ev = _Events()
+
+
+def order(cp, device: int) -> bytes | None:
+    """Order the current stream's queued work before the receiver's use: the handle of a
+    ring event recorded on it (or None after synchronizing the stream, when no interprocess
+    event is to be had).  Once per message and stream."""
+    stream = cp.cuda.get_current_stream()
+    memo = _wire.message_memo()
+    key = ("cuda-order", device, stream.ptr)
+    if key in memo:
+        return memo[key]
+    handle = memo[key] = order_now(cp, device, stream)
+    return handle
+
+
+def order_now(cp, device: int, stream) -> bytes | None:
+    """:func:`order` for a message that carries one array (no memo needed).  The event is
+    recorded whether or not the stream has work queued: asking first (``stream.done``) costs
+    as much as recording, and a stream that just made the array it sends is rarely idle."""
+    e = _ev
+    with e.lock:
+        ring = e.rings.get(device)
+        if ring is None:
+            ring = e.rings[device] = []
+        i = e.next.get(device, 0)
+        if i >= len(ring):
+            try:
+                ev = cp.cuda.Event(block=False, disable_timing=True, interprocess=True)
+                handle = bytes(cp.cuda.runtime.ipcGetEventHandle(ev.ptr))
+                ring.append((ev, handle))
+                e.own[handle] = ev
+            except Exception:  # out of event resources: reuse what there is, or synchronize
+                if not ring:
+                    stream.synchronize()
+                    return None
+                i = 0
+        ev, handle = ring[i]
+        e.next[device] = (i + 1) % RING
+    ev.record(stream)
+    return handle
+
+
+def wait(cp, event_handle: bytes) -> None:
+    """Make the current stream wait for a sender's ring event (the host does not wait);
+    once per message and stream."""
+    memo = _wire.message_memo()
+    stream = cp.cuda.get_current_stream().ptr
+    key = ("cuda-wait", event_handle, stream)
+    if key in memo:
+        return
+    memo[key] = True
+    stream_wait(cp, event_handle, stream)
+
+
+def stream_wait(cp, event_handle: bytes, stream: int) -> None:
+    """Make ``stream`` wait for a sender's ring event."""
+    e = _ev
+    own = e.own.get(event_handle)
+    if own is not None:  # sent to ourselves
+        cp.cuda.runtime.streamWaitEvent(stream, own.ptr)
+        return
+    with e.lock:  # no other thread closes it between the lookup and the wait
+        ev = e.opened.get(event_handle)
+        if ev is None:
+            ev = e.opened[event_handle] = cp.cuda.runtime.ipcOpenEventHandle(event_handle)
+            if len(e.opened) > RING_OPENED_LIMIT:  # senders come and go: close the
+                _, old = e.opened.popitem(last=False)  # first opened
+                cp.cuda.runtime.eventDestroy(old)  # waits already queued on it complete
+        cp.cuda.runtime.streamWaitEvent(stream, ev)
+
+
+def count() -> int:
+    return len(_ev.own)
+
+
+class IpcEvent:
+    """An interprocess CUDA event received from another process."""
+
+    def __init__(self, ptr: int, handle: bytes) -> None:
+        self.ptr, self.handle = ptr, handle
+
+    def record(self, stream=None) -> None:
+        cp = _device.cupy()
+        stream = stream or cp.cuda.get_current_stream()
+        cp.cuda.runtime.eventRecord(self.ptr, stream.ptr)
+
+    def wait(self, stream=None) -> None:
+        """Make ``stream`` (default: current) wait for the event; the host does not wait."""
+        cp = _device.cupy()
+        stream = stream or cp.cuda.get_current_stream()
+        cp.cuda.runtime.streamWaitEvent(stream.ptr, self.ptr)
+
+    def synchronize(self) -> None:
+        _device.cupy().cuda.runtime.eventSynchronize(self.ptr)
+
+    def query(self) -> bool:
+        return _device.cupy().cuda.runtime.eventQuery(self.ptr) == 0
+
+    def __reduce__(self):
+        return _rebuild_event, (self.handle,)
+
+
+def reduce_event(ev):
+    """An interprocess event's handle.  Send an event while its own device is current: a
+    CuPy event does not say which device it belongs to, and the driver (580) crashes the
+    process when asked for the handle of another device's event."""
+    cp = _device.cupy()
+    try:
+        handle = cp.cuda.runtime.ipcGetEventHandle(ev.ptr)
+    except Exception as e:
+        raise ValueError("only events made with cupy.cuda.Event(interprocess=True, "
+                         "disable_timing=True) can cross processes") from e
+    return _rebuild_event, (bytes(handle),)
+
+
+def _rebuild_event(handle: bytes) -> IpcEvent:
+    cp = _device.cupy()
+    e = _ev
+    with e.lock:
+        ptr = e.user.get(handle)
+        if ptr is None:
+            ptr = e.user[handle] = cp.cuda.runtime.ipcOpenEventHandle(handle)
+    return IpcEvent(ptr, handle)

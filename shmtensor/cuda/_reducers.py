@@ -1,0 +1,49 @@
+"""CuPy's types on shmtensor's channels: which path an array takes, and the registration.
+
+:func:`register` runs once CuPy has been imported (``shmtensor.cuda`` registers it lazily
+with :mod:`shmtensor._registry`): arrays on shared device memory (:mod:`._vmm`) cross by
+their slab's fd, others by legacy CUDA IPC (:mod:`._ipc`); a message that is one VMM array
+takes the VMM lane; interprocess events cross by handle (:mod:`._events`).
+"""
+
+from __future__ import annotations
+
+from .. import _registry
+from . import _device, _events, _ipc, _release, _vmm
+
+
+def reduce_cupy_array(arr):
+    cp = _device.cupy()  # the fork error, before any driver call
+    _release.poll()
+    if arr.size == 0:
+        return _ipc.rebuild_empty, (arr.shape, arr.dtype.str,
+                                    _device.bus_id(cp, arr.device.id))
+    mem = arr.data.mem
+    owner = getattr(mem, "_owner", None) if isinstance(mem, cp.cuda.UnownedMemory) else None
+    if isinstance(owner, _vmm.SHARED_OWNERS):
+        return _vmm.reduce_array(cp, arr, mem, owner)
+    return _ipc.reduce_array(cp, arr, mem, owner)
+
+
+def register() -> None:
+    cp = _device.cupy()
+    _registry.register(cp.ndarray, reduce_cupy_array, _vmm.lane_dumps)
+    _registry.register(cp.cuda.Event, _events.reduce_event)
+
+
+def collect() -> int:
+    """Release what this process's finished device work lets go, drop exports nobody holds,
+    close idle mappings.  Returns the exports and slabs given back."""
+    _release.drain(block=True)
+    return _ipc.collect() + _vmm.collect()
+
+
+def exports() -> list[dict]:
+    return _ipc.exports() + _vmm.exports()
+
+
+def stats() -> dict[str, int]:
+    out = _ipc.stats()
+    out["cuda_events"] = _events.count()
+    out.update(_vmm.stats())
+    return out
