@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 
-import fcntl
 import resource
 import select
 
