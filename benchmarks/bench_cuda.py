@@ -194,7 +194,12 @@ def section(res: dict) -> Section:
     per = res["shmtensor_relay"]["per_array_s"]
     targets = [
         _report.target("relay per array: torch.multiprocessing / shmtensor (VMM allocator)",
-                       _report.ratio(torch["per_array_s"] if torch else None, per), ">=", 5,
+                       _report.ratio(torch["per_array_s"] if torch else None, per), ">=", 6,
+                       section="cuda"),
+        _report.target("relay per array: torch.multiprocessing / shmtensor (CuPy's pool, "
+                       "legacy IPC)",
+                       _report.ratio(torch["per_array_s"] if torch else None,
+                                     res["shmtensor_relay_cupy_pool"]["per_array_s"]), ">=", 3,
                        section="cuda"),
         _report.target("1 GiB array get once its allocation is open (legacy IPC)",
                        res["big_array"]["median_get_s"] * 1e3, "<=", 1, unit="ms",

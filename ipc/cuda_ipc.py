@@ -23,8 +23,9 @@ import os
 import sys
 import threading
 
-__all__ = ["nvml_device_count", "nvml_uuids", "visible_uuids", "address_range",
-           "cuda_initialized", "bad_fork", "check_not_bad_fork", "CudaIpcError", "BAD_FORK_MESSAGE"]
+__all__ = ["nvml_device_count", "nvml_uuids", "visible_uuids", "address_range", "buffer_id",
+           "cuda_initialized", "bad_fork", "check_not_bad_fork", "check_can_initialize",
+           "CudaIpcError", "BAD_FORK_MESSAGE"]
 
 BAD_FORK_MESSAGE = ("Cannot re-initialize CUDA in forked subprocess; use the spawn or "
                     "forkserver start method")
@@ -143,6 +144,21 @@ def address_range(ptr: int) -> tuple[int, int]:
     return base.value, size.value
 
 
+_POINTER_ATTRIBUTE_BUFFER_ID = 7  # CU_POINTER_ATTRIBUTE_BUFFER_ID
+
+
+def buffer_id(ptr: int) -> int:
+    """The driver's id of the allocation holding ``ptr``: unique for the process's life, so
+    an allocation freed and made again at the same address has a new one."""
+    lib = _libcuda()
+    if lib is None:
+        raise CudaIpcError("libcuda.so.1 is not loadable: is the NVIDIA driver installed?")
+    out = ctypes.c_uint64()
+    _check("cuPointerGetAttribute", lib.cuPointerGetAttribute(
+        ctypes.byref(out), _POINTER_ATTRIBUTE_BUFFER_ID, ctypes.c_uint64(ptr)))
+    return out.value
+
+
 _bad_fork = False
 _parent_had_cuda = False
 
@@ -166,6 +182,23 @@ def bad_fork() -> bool:
 
 def check_not_bad_fork() -> None:
     if _bad_fork:
+        raise RuntimeError(BAD_FORK_MESSAGE)
+
+
+_CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def check_can_initialize() -> None:
+    """Before a process's first CUDA use: raise the fork error if this is a forked child of a
+    process that had initialised CUDA, even one that forked before this module was imported
+    (no fork hook saw it).  ``cuInit`` then fails with CUDA_ERROR_NOT_INITIALIZED (measured
+    with driver 580), where in any other process it initialises the driver, as the first
+    use would anyway."""
+    global _bad_fork
+    check_not_bad_fork()
+    lib = _libcuda()
+    if lib is not None and lib.cuInit(0) == _CUDA_ERROR_NOT_INITIALIZED:
+        _bad_fork = True
         raise RuntimeError(BAD_FORK_MESSAGE)
 
 

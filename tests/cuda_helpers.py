@@ -148,16 +148,70 @@ def sum_on_device1(inq, outq):
                 outq.put((float(a.sum()), a.device.id, a.size))
 
 
-def bad_fork_child(queue, out):
+def bad_fork_child(queue, out, inherited):
+    """In a forked child of a CUDA parent: every shmtensor CUDA entry point says fork."""
     import shmtensor.cuda
+    import shmtensor.multiprocessing as smp
     msgs = []
-    for attempt in (queue.get, shmtensor.cuda.ipc_collect):
+    sq = smp.get_context("fork").SimpleQueue()  # pickles in put(), as the stdlib's does
+    attempts = {"receive a legacy IPC array": queue.get, "receive a VMM array": queue.get,
+                "receive an event": queue.get, "send": lambda: sq.put(inherited),
+                "ipc_collect": shmtensor.cuda.ipc_collect}
+    for what, attempt in attempts.items():
         try:
             attempt()
-            msgs.append("no exception")
+            msgs.append(f"{what}: no exception")
         except RuntimeError as e:
-            msgs.append(str(e))
+            msgs.append(f"{what}: {e}")
     out.put(msgs)
+
+
+def gc_stress(seconds, threads=8):
+    """``threads`` threads make, send, receive and drop CuPy arrays (both allocators) on one
+    queue while others force GC passes: returns the arrays that went round."""
+    import gc
+    import threading
+
+    import shmtensor.cuda
+    import shmtensor.multiprocessing as smp
+    q = smp.get_context("spawn").SimpleQueue()
+    lock = threading.Lock()
+    done = [0]
+    stop = time.monotonic() + seconds
+    errors = []
+
+    class Cycle:  # garbage in reference cycles: only a GC pass frees it, on any thread
+        def __init__(self, a):
+            self.a, self.me = a, self
+
+    def work(i):
+        try:
+            while time.monotonic() < stop:
+                if i % 2:
+                    a = shmtensor.cuda.full((i + 1) * 64, float(i), dtype="float32")
+                else:
+                    a = cp().full((i + 1) * 64, float(i), dtype="float32")
+                with lock:
+                    q.put([a, a[1:]])
+                    b, v = q.get()
+                assert float(b[0]) == float(v[0]) == float(i)  # it may be another thread's
+                Cycle(b), Cycle(v)
+                del a, b, v
+                if i == 0:
+                    gc.collect()
+                done[0] += 1
+        except BaseException as e:  # reported to the test
+            errors.append(repr(e))
+
+    ts = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(seconds + 60)
+    hung = sum(t.is_alive() for t in ts)
+    gc.collect()
+    shmtensor.cuda.ipc_collect()
+    return done[0], hung, errors
 
 
 _SLOW_FILL = r'''

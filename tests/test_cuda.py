@@ -195,17 +195,64 @@ def test_cuda_empty_and_mixed_dtypes(cp, ctx, lc):
     join_all(p)
 
 
-def test_cuda_bad_fork_error(cp):
+def test_cuda_bad_fork_error_at_every_entry_point(cp):
     fork = smp.get_context("fork")
     q, out = fork.Queue(), fork.Queue()
     q.put(cp.zeros(3))
-    p = fork.Process(target=ch.bad_fork_child, args=(q, out))
+    q.put(shmtensor.cuda.zeros(3))
+    q.put(cp.cuda.Event(interprocess=True, disable_timing=True, block=False))
+    inherited = cp.ones(3)  # the child has this object (fork), not its memory
+    p = fork.Process(target=ch.bad_fork_child, args=(q, out, inherited))
     p.start()
     msgs = out.get(timeout=JOIN)
     join_all(p)
+    assert len(msgs) == 5
     for msg in msgs:
-        assert "Cannot re-initialize CUDA in forked subprocess" in msg
-        assert "spawn or forkserver" in msg
+        assert "Cannot re-initialize CUDA in forked subprocess" in msg, msg
+        assert "spawn or forkserver" in msg, msg
+
+
+_LATE_IMPORT = """
+import os, socket, sys
+import cupy
+cupy.zeros(1)  # CUDA initialised before shmtensor was ever imported
+parent_end, child_end = socket.socketpair()
+pid = os.fork()
+if pid == 0:
+    from shmtensor import _connection  # imported only now, in the child
+    try:
+        _connection.Connection(os.dup(child_end.fileno())).recv()
+        print("no exception")
+    except RuntimeError as e:
+        print(e)
+    os._exit(0)
+from shmtensor import _connection
+_connection.Connection(os.dup(parent_end.fileno())).send(cupy.arange(3))
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_cuda_bad_fork_error_when_shmtensor_came_after_the_fork(cp):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _LATE_IMPORT], capture_output=True, text=True,
+                         timeout=JOIN)
+    assert out.returncode == 0, out.stderr
+    assert "Cannot re-initialize CUDA in forked subprocess" in out.stdout, out.stdout
+
+
+def test_cuda_finalizers_cannot_deadlock_under_gc(cp):
+    import gc
+    old = gc.get_threshold()
+    gc.set_threshold(50, 2, 2)  # GC passes often, inside any locked section of any thread
+    try:
+        done, hung, errors = ch.gc_stress(seconds=8.0)
+    finally:
+        gc.set_threshold(*old)
+    assert not errors, errors[:3]
+    assert hung == 0  # a deadlock leaves threads stuck past their bound
+    assert done > 100
 
 
 @pytest.mark.parametrize("mode", ["ipc", "vmm"])

@@ -25,7 +25,7 @@ def cupy():
 
 def _import_cupy():
     global _cp
-    cuda_ipc.check_not_bad_fork()
+    cuda_ipc.check_can_initialize()  # the fork error, even where no fork hook saw the fork
     try:
         import cupy as cp
     except ImportError as e:

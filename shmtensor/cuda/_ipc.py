@@ -33,6 +33,7 @@ from . import _device, _events, _release
 _IPC_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
 PROBE = 2  # exports looked at per send, oldest first, to give back those nobody holds
 MAPPED_IDLE_LIMIT = 1024  # idle open mappings kept per process (closing costs ~90 us)
+RETIRED_LIMIT = 4096  # dropped exports remembered for reuse (each keeps a lease slot)
 
 
 class _Token:
@@ -42,10 +43,12 @@ class _Token:
 
 
 class _Export:
-    __slots__ = ("slot", "handle", "base", "size", "device", "bus_id", "refs", "token")
+    __slots__ = ("slot", "handle", "base", "size", "device", "bus_id", "refs", "token",
+                 "buffer")
 
     def __init__(self, cp, device: int, base: int, size: int) -> None:
         self.device, self.base, self.size = device, base, size
+        self.buffer = cuda_ipc.buffer_id(base)
         self.handle = bytes(cp.cuda.runtime.ipcGetMemHandle(base))
         self.bus_id = _device.bus_id(cp, device)
         self.slot = ofd_lease.own_table().new_slot()
@@ -65,6 +68,11 @@ class _Exports:
         self.by_base: dict[tuple[int, int], _Export] = {}
         self.bases: dict[int, list[int]] = {}  # device -> sorted bases
         self.next_sweep = 64
+        # Dropped exports, by (device, base), oldest first: CuPy's pool hands the same
+        # allocations out again, and one exported anew (same driver buffer id) keeps its
+        # handle and slot, so its consumers find their mapping open and no driver call is
+        # made for the handle.
+        self.retired: "OrderedDict[tuple[int, int], _Export]" = OrderedDict()
 
     def find(self, device: int, ptr: int) -> _Export | None:
         ex = self.by_base.get((device, ptr))
@@ -84,9 +92,15 @@ class _Exports:
         bisect.insort(self.bases.setdefault(ex.device, []), ex.base)
 
     def drop(self, ex: _Export) -> None:
-        del self.by_base[(ex.device, ex.base)]
+        key = (ex.device, ex.base)
+        del self.by_base[key]
         bases = self.bases[ex.device]
         del bases[bisect.bisect_left(bases, ex.base)]
+        ex.refs = {}  # CuPy's pool may hand the memory out again
+        ex.token = None
+        self.retired[key] = ex
+        if len(self.retired) > RETIRED_LIMIT:
+            self.retired.popitem(last=False)
 
     def sweep(self, table, probe: int | None) -> int:
         """Drop exports nobody holds: the ``probe`` oldest (moving held ones to the back),
@@ -129,6 +143,7 @@ class _Mappings:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.open: "OrderedDict[bytes, _Mapping]" = OrderedDict()
+        self.evict_at = MAPPED_IDLE_LIMIT  # open mappings at which a receive evicts
 
 
 _mappings = _Mappings()
@@ -161,18 +176,26 @@ def _use_of(m: _Mapping, lease_fd: int, deferred: list) -> _Use:
 
 def reduce_array(cp, arr, mem, owner):
     """An array on memory from any allocator: its allocation's handle and its place in it."""
-    with cp.cuda.Device(arr.device.id):
-        if isinstance(owner, _Use):  # forwarding what we received: same handle, same slot
-            m = owner.mapping
-            ev = _events.order(cp, m.device)
-            table_id, slot = m.table_id, m.slot
-            handle, bus_id, size, base = m.handle, m.bus_id, m.size, m.ptr
-            _wire.keep_alive(mem)
-        else:
-            ex = export(cp, arr)
-            ev = _events.order(cp, ex.device)
-            table_id, slot = ofd_lease.own_table().id, ex.slot
-            handle, bus_id, size, base = ex.handle, ex.bus_id, ex.size, ex.base
+    device = arr.device.id
+    if cp.cuda.runtime.getDevice() == device:
+        return _reduce_array(cp, arr, mem, owner)
+    with cp.cuda.Device(device):
+        return _reduce_array(cp, arr, mem, owner)
+
+
+def _reduce_array(cp, arr, mem, owner):
+    """:func:`reduce_array` with the array's device current."""
+    if isinstance(owner, _Use):  # forwarding what we received: same handle, same slot
+        m = owner.mapping
+        ev = _events.order(cp, m.device)
+        table_id, slot = m.table_id, m.slot
+        handle, bus_id, size, base = m.handle, m.bus_id, m.size, m.ptr
+        _wire.keep_alive(mem)
+    else:
+        ex = export(cp, arr)
+        ev = _events.order(cp, ex.device)
+        table_id, slot = ofd_lease.own_table().id, ex.slot
+        handle, bus_id, size, base = ex.handle, ex.bus_id, ex.size, ex.base
     lock_i = _wire.inflight_index(table_id, slot)
     return _rebuild_cupy_array, (handle, bus_id, size, arr.data.ptr - base, arr.shape,
                                  arr.strides, arr.dtype.str, table_id, slot, lock_i, ev)
@@ -186,20 +209,26 @@ def export(cp, arr) -> _Export:
     x = _exports
     table = ofd_lease.own_table()
     with x.lock:
-        ex = x.find(device, ptr)
-        if ex is not None:
-            token = _attach(ex, arr.data.mem)
-    if ex is None:
-        base, size = cuda_ipc.address_range(ptr)  # driver calls: outside the lock
-        made = _Export(cp, device, base, size)
+        ex = live = x.find(device, ptr)
+        if live is not None:
+            token = _attach(live, arr.data.mem)
+        elif x.retired:
+            ex = x.retired.pop((device, ptr), None)  # exported before, at this base
+    if live is None:
+        # driver calls, outside the lock: the same allocation still (a freed and remade one
+        # has a new buffer id) keeps its handle and slot, else a new export
+        if ex is None or cuda_ipc.buffer_id(ptr) != ex.buffer:
+            base, size = cuda_ipc.address_range(ptr)
+            ex = _Export(cp, device, base, size)
         with x.lock:
-            ex = x.by_base.get((device, base))
-            if ex is None:
+            found = x.by_base.get((device, ex.base))
+            if found is None:
                 if len(x.by_base) >= x.next_sweep:  # amortised: all, when exports doubled
                     x.sweep(table, None)
                     x.next_sweep = max(64, 2 * len(x.by_base))
-                ex = made
                 x.add(ex)
+            else:
+                ex = found
             token = _attach(ex, arr.data.mem)
     _wire.keep_alive(token)
     with x.lock:  # give back the oldest that nobody holds (this one is unsent: kept)
@@ -251,9 +280,9 @@ def _rebuild_cupy_array(handle, bus_id, size, offset, shape, strides, dtype, tab
             ms.open.move_to_end(handle)
             use = _use_of(m, lease_fd, deferred)
             mem = cp.cuda.UnownedMemory(m.ptr, size, use, device)
-            crowded = len(ms.open) > MAPPED_IDLE_LIMIT
+            crowded = len(ms.open) > ms.evict_at
         if crowded:
-            evict(MAPPED_IDLE_LIMIT)
+            evict(MAPPED_IDLE_LIMIT * 3 // 4)
         if event_handle is not None:
             _events.wait(cp, event_handle)
         return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
@@ -266,11 +295,21 @@ def rebuild_empty(shape, dtype, bus_id):
 
 
 def evict(keep: int) -> int:
-    """Close idle mappings beyond the ``keep`` most recently used."""
+    """Close idle mappings, least recently used first, until ``keep`` mappings are left
+    (or only mappings in use).  A receive that finds more than ``MAPPED_IDLE_LIMIT`` evicts
+    down to 3/4 of it, so the walk is paid once per quarter of the limit, not per receive."""
     ms = _mappings
+    gone = []
     with ms.lock:
-        idle = [h for h, m in ms.open.items() if m.use is None or m.use() is None]
-        gone = [ms.open.pop(h) for h in idle[:max(0, len(idle) - keep)]]
+        excess = len(ms.open) - keep
+        for h, m in list(ms.open.items()):
+            if excess <= 0:
+                break
+            if m.use is None or m.use() is None:
+                gone.append(ms.open.pop(h))
+                excess -= 1
+        # mappings in use cannot go: look again once a quarter of the limit more is open
+        ms.evict_at = max(MAPPED_IDLE_LIMIT, len(ms.open) + MAPPED_IDLE_LIMIT // 4)
     cp = _device._cp
     for m in gone:
         try:

@@ -3,10 +3,12 @@
 When the last array on a received allocation dies, its finalizer only *enqueues* the
 release (:func:`enqueue`: a ``queue.SimpleQueue.put``, which takes no lock and is safe in
 ``__del__`` and weakref callbacks).  A *drain*, run by the next shmtensor CUDA call that
-sends, receives or allocates (once ``BATCH`` releases have gathered) or by the releaser
-thread (``DRAIN_S`` after the first release it sees), records one event per (device, stream)
+sends or receives (once ``BATCH`` releases or ``DRAIN_S`` have gathered) or by the releaser
+thread (when nobody else drained for ``DRAIN_S``), records one event per (device, stream)
 on the streams the arrays died on and releases each lease once its event is done, oldest
-first.  The releaser sleeps on the queue itself, so it costs nothing while nothing dies.
+first.  (A per-thread default stream can only be named by its own thread: there the
+finalizer records the event itself, a driver call that takes no lock.)  The releaser
+sleeps on the queue itself, so it costs nothing while nothing dies.
 
 Locks: the drain holds ``_Releases.lock`` and, while releasing, takes the lease table's lock
 (:mod:`shmtensor.ipc.ofd_lease`) and the ``done`` callbacks' locks (``_vmm``'s mapping lock).
@@ -21,15 +23,15 @@ import threading
 import time
 from collections import deque
 
+_monotonic = time.monotonic
+
 from shmtensor.ipc import ofd_lease
 
 from . import _device
 
 DRAIN_S = 0.002  # how long the releaser lets releases gather before draining them
 BATCH = 64       # releases that make a sending or receiving call drain first
-# Streams that are the same stream in every thread (the legacy default stream): one event
-# recorded on them later covers every release noted on them.
-_SHARED_STREAMS = (0, 1)
+_PER_THREAD = 2  # cudaStreamPerThread: another thread recording on it records on its own
 
 
 class _Releases:
@@ -41,6 +43,7 @@ class _Releases:
         self.pending: deque = deque()  # (event, device, [lease]): oldest first
         self.idle_events: dict[int, list] = {}  # device -> events done, to record again
         self.started = False           # the releaser thread (under lock)
+        self.last = 0.0                # time.monotonic() of the last drain
 
 
 _r = _Releases()
@@ -52,14 +55,23 @@ def enqueue(device: int, table_id: str, slot: int, done=None) -> None:
     try:
         cp = _device._cp
         stream = cp.cuda.get_current_stream(device)  # kept alive until the drain records
+        if stream.ptr == _PER_THREAD:  # names this thread's stream in this thread only:
+            with cp.cuda.Device(device):  # record now (driver calls, no lock)
+                stream = cp.cuda.Event(block=False, disable_timing=True)
+                stream.record(cp.cuda.get_current_stream())
     except Exception:  # interpreter shutting down, or a CuPy without the argument
         stream = None
     _r.inbox.put((device, stream, (table_id, slot, done)))
 
 
 def poll() -> None:
-    """From a sending or receiving call: drain when ``BATCH`` releases have gathered."""
-    if _r.inbox.qsize() >= BATCH:
+    """From a sending or receiving call: drain (without waiting) once ``BATCH`` releases or
+    ``DRAIN_S`` have gathered.  A busy process drains here, in its own thread: the releaser
+    only drains what nobody drained for ``DRAIN_S``, so it does not contend for the GIL and
+    the locks a drain takes with a thread that is sending or receiving."""
+    r = _r
+    n = r.inbox.qsize()
+    if n >= BATCH or ((n or r.pending) and _monotonic() - r.last >= DRAIN_S):
         drain(block=False)
 
 
@@ -82,6 +94,7 @@ def drain(block: bool) -> None:
     if not r.lock.acquire(blocking=block):
         return  # another thread is draining
     try:
+        r.last = _monotonic()
         _flush(r)
         while r.pending:
             ev, device, leases = r.pending[0]
@@ -101,6 +114,7 @@ def drain(block: bool) -> None:
 
 def _flush(r: _Releases) -> None:
     """One event per (device, stream) for the releases enqueued so far (caller holds lock)."""
+    cp = _device._cp
     groups: dict[tuple, tuple] = {}
     while True:
         try:
@@ -110,12 +124,14 @@ def _flush(r: _Releases) -> None:
         if stream is None:
             _release_now(device, [lease])
             continue
+        if isinstance(stream, cp.cuda.Event):  # recorded by the finalizer
+            r.pending.append((stream, device, [lease]))
+            continue
         ptr = stream.ptr
         group = groups.get((device, ptr))
         if group is None:
             group = groups[(device, ptr)] = (stream, [])
         group[1].append(lease)
-    cp = _device._cp
     for (device, _), (stream, leases) in groups.items():
         try:
             r.pending.append((_record(cp, r, device, stream.ptr), device, leases))
@@ -150,15 +166,15 @@ def _release_now(device: int | None, leases: list) -> None:
 
 
 def _releaser(r: _Releases) -> None:
-    """Wait for a release, let more gather for DRAIN_S, drain; until nothing is pending."""
+    """Wait for a release; then, while any is queued or pending, drain what nobody else has
+    drained for ``DRAIN_S``."""
     while r is _r:
         item = r.inbox.get()
-        r.inbox.put(item)  # the drain takes it with the rest, in order of arrival
-        time.sleep(DRAIN_S)
-        drain(block=False)
-        while r.pending and r is _r:
+        r.inbox.put(item)  # the drain takes it with the rest
+        while (r.pending or not r.inbox.empty()) and r is _r:
             time.sleep(DRAIN_S)
-            drain(block=False)
+            if _monotonic() - r.last >= DRAIN_S:
+                drain(block=False)
 
 
 def _after_fork_in_child() -> None:
