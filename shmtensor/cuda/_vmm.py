@@ -173,12 +173,8 @@ def _reclaim(key: tuple):
 
 def _take_freed() -> None:
     """Free the blocks whose owners died since (caller holds ``_lock``)."""
-    get = _freed.get_nowait
-    while True:
-        try:
-            slab, index, stream = get()
-        except queue.Empty:
-            return
+    while not _freed.empty():  # only this function takes from it, under _lock
+        slab, index, stream = _freed.get_nowait()
         key = (slab.device, stream, slab.block)
         if slab.slots[index]:  # it was sent: reusable once nobody holds it (see _reclaim)
             held = _held.get(key)
