@@ -163,8 +163,10 @@ def plot_bars(path: Path, rows: list[dict], title: str) -> bool:
     fig, ax = plt.subplots(figsize=(10, 0.4 * len(rows) + 1.5))
     labels = [f"{r['function']}: {r['peer']}" for r in rows]
     y = range(len(rows))
-    ax.barh(y, [r["median_s"] for r in rows], color=["tab:orange" if "shmtensor" in r["peer"]
-                                                     else "tab:blue" for r in rows])
+    colors = ["tab:orange" if "shmtensor" in r["peer"] else
+              "tab:gray" if "numpy" in r["peer"] or "floor" in r["peer"] else "tab:blue"
+              for r in rows]
+    ax.barh(y, [r["median_s"] for r in rows], color=colors)
     ax.plot([r["first_s"] for r in rows], y, "k|", markersize=12, label="first round")
     for i, r in enumerate(rows):
         ax.text(r["median_s"], i, " " + time_label(r["median_s"]), va="center", fontsize=8)
@@ -172,7 +174,7 @@ def plot_bars(path: Path, rows: list[dict], title: str) -> bool:
     ax.invert_yaxis()
     ax.set_xscale("log")
     ax.set_xlabel("time per map call (median of rounds; s)")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=9, wrap=True)
     ax.grid(True, axis="x", which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
