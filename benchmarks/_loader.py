@@ -96,3 +96,56 @@ def _stop(procs, timeout: float = 30) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+
+
+# --- the peers' loaders, over the same "dataset" -------------------------------------------
+
+class NumpyBatches:
+    """The dataset as a map-style source of fresh numpy batches: item ``i`` is a batch
+    filled with ``i`` (what ``worker`` makes, without a BatchPool).  Serves torch's
+    ``Dataset`` protocol and grain's ``RandomAccessDataSource`` alike."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        batch = np.empty(BATCH, DTYPE)
+        fill(batch, int(index))
+        return batch
+
+
+def torch_loader(nworkers: int, nbatches: int):
+    """``torch.utils.data.DataLoader`` over :class:`NumpyBatches` with its defaults (fork
+    on Linux; each item a batch, ``batch_size=None``, so numpy becomes a torch tensor in
+    the worker and crosses through torch's shared memory)."""
+    from torch.utils.data import DataLoader
+    return DataLoader(NumpyBatches(nbatches), batch_size=None, num_workers=nworkers)
+
+
+def grain_loader(nworkers: int, nbatches: int):
+    """grain's multiprocessing ``DataLoader`` over :class:`NumpyBatches`, in order."""
+    import logging
+    logging.getLogger("absl").setLevel(logging.ERROR)  # "Failed to load jax profiler"
+    import grain.python as gp
+    sampler = gp.IndexSampler(nbatches, shard_options=gp.NoSharding(), shuffle=False,
+                              num_epochs=1, seed=0)
+    return gp.DataLoader(data_source=NumpyBatches(nbatches), sampler=sampler,
+                         worker_count=nworkers)
+
+
+def run_iterable(loader, nbatches: int, skip: int) -> LoaderRun:
+    """Iterate ``loader``, checking each batch's index (one element read), and time from
+    batch ``skip`` to the last (start-up, which forks or spawns the workers, is left out)."""
+    stamps = []
+    for index, batch in enumerate(loader):
+        if float(batch[1, 5, 5]) != index:
+            raise AssertionError(f"batch {index} holds {batch[1, 5, 5]}")
+        del batch
+        stamps.append(time.perf_counter())
+    if len(stamps) != nbatches or skip >= nbatches - 1:
+        raise RuntimeError(f"got {len(stamps)} of {nbatches} batches (skip {skip})")
+    rate = (len(stamps) - 1 - skip) / (stamps[-1] - stamps[skip])
+    return LoaderRun(len(stamps), rate, skip, 0)

@@ -147,3 +147,37 @@ def plot(path: Path, results: list[dict], title: str) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def plot_bars(path: Path, rows: list[dict], title: str) -> bool:
+    """Pool.map: one horizontal bar per (function, contender), median time on a log axis,
+    the first round marked; False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("median_s")]
+    fig, ax = plt.subplots(figsize=(10, 0.4 * len(rows) + 1.5))
+    labels = [f"{r['function']}: {r['peer']}" for r in rows]
+    y = range(len(rows))
+    colors = ["tab:orange" if "shmtensor" in r["peer"] else
+              "tab:gray" if "numpy" in r["peer"] or "floor" in r["peer"] else "tab:blue"
+              for r in rows]
+    ax.barh(y, [r["median_s"] for r in rows], color=colors)
+    ax.plot([r["first_s"] for r in rows], y, "k|", markersize=12, label="first round")
+    for i, r in enumerate(rows):
+        ax.text(r["median_s"], i, " " + time_label(r["median_s"]), va="center", fontsize=8)
+    ax.set_yticks(list(y), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("time per map call (median of rounds; s)")
+    ax.set_title(title, fontsize=9, wrap=True)
+    ax.grid(True, axis="x", which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -2,10 +2,12 @@
 
 Usage: ``scripts/bench [--quick] [--out DIR]``.  Runs, in order: the core table (queues of
 stdlib, shmtensor, torch, SharedMemory, joblib; :mod:`benchmarks.bench_core`), the inline
-threshold sweep, small arrays at scale, ``Pool.map`` of 1 GB of arrays, a 4-worker data loader, the CLI's
-overhead, and, where CuPy sees a GPU, the CUDA relay and 1 GiB re-send
-(:mod:`benchmarks.bench_cuda`).  Prints every table with its targets' verdicts, writes ``DIR/results.json`` and,
-with matplotlib, ``DIR/plot.png`` (the core table).
+threshold sweep, small arrays at scale, ``Pool.map`` of 1 GB of arrays (beside Ray, mpire,
+loky, joblib and the compute floor), an 8-producer fan-in, a 4-worker data loader (beside
+torch's and grain's), the CLI's overhead, and, where CuPy sees a GPU, the CUDA relay and
+1 GiB re-send (:mod:`benchmarks.bench_cuda`).  Prints every table with its targets'
+verdicts, writes ``DIR/results.json`` and, with matplotlib, ``DIR/plot.png`` (the core
+table) and ``DIR/pool_map.png``.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ import psutil
 
 import shmtensor as st
 
-from . import (_report, bench_cli, bench_core, bench_cuda, bench_loader, bench_pool,
-               bench_scale, bench_threshold)
+from . import (_report, bench_cli, bench_core, bench_cuda, bench_fanin, bench_loader,
+               bench_pool, bench_scale, bench_threshold)
 from ._report import Section
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,6 +62,8 @@ def machine_info(quick: bool) -> dict:
         "inline_threshold": st.get_inline_threshold(),
         "torch": available("torch"),
         "joblib": available("joblib"),
+        **{m: available(m) for m in ("ray", "loky", "grain")},
+        "mpire": _distribution_version("mpire"),
         "quick": quick,
         "load_average_at_start": os.getloadavg()[0],
     }
@@ -80,6 +84,15 @@ def library_version() -> str | None:
     if not diff and not untracked:
         return head
     return f"{head}+dirty.{hashlib.sha1((diff + untracked).encode()).hexdigest()[:8]}"
+
+
+def _distribution_version(name: str) -> str | None:
+    """An installed distribution's version (for packages without ``__version__``)."""
+    from importlib import metadata
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _cpu_model() -> str | None:
@@ -107,6 +120,7 @@ def section_plan(settings: bench_core.Settings, quick: bool,
         ("threshold_sweep", partial(bench_threshold.run, settings)),
         ("scale", partial(bench_scale.run, quick)),
         ("pool_map", partial(bench_pool.run, 1 if quick else 3, have_joblib)),
+        ("fanin", partial(bench_fanin.run, quick)),
         ("loader", partial(bench_loader.run, quick)),
         ("cli", partial(bench_cli.run, 3 if quick else 5)),
         ("cuda", bench_cuda.run),
@@ -155,13 +169,16 @@ def save(out: Path, machine: dict, results: list[dict], targets: list[dict],
     title = (f"shmtensor {st.__version__}: time per array "
              f"({machine['cpus']} CPUs, Python {machine['python']})")
     if _report.plot(out / "plot.png", rows, title):
-        print(f"\nwrote {out / 'results.json'} and {out / 'plot.png'}")
+        pool = next((s for s in sections if s.key == "pool_map" and "rows" in s.data), None)
+        if pool is not None:
+            _report.plot_bars(out / "pool_map.png", pool.data["rows"], pool.title)
+        print(f"\nwrote {out / 'results.json'}, {out / 'plot.png'} and {out / 'pool_map.png'}")
     else:
         print(f"\nwrote {out / 'results.json'} (no plot: matplotlib is not installed)")
 
 
 def warn_about_machine(machine: dict) -> None:
-    for module in ("torch", "joblib"):
+    for module in ("torch", "joblib", "ray", "loky", "mpire", "grain"):
         if machine[module] is None:
             print(f"{module} is not importable: its rows are skipped", file=sys.stderr)
     if machine["load_average_at_start"] > 0.5:
