@@ -22,12 +22,22 @@ This module owns every piece of segment state, under one lock (``_lock``):
 
 Nothing here scans all segments on a release: the idle lists are looked at from their
 oldest end, a bounded number at a time, and not again before something can be due.
+
+**A dying anchor takes no module lock.**  Its finalizer releases the lease (the lease
+table's lock is held only inside :mod:`shmtensor.ipc.ofd_lease`, which waits on no other
+lock) and puts the segment on ``_died``, a ``queue.SimpleQueue`` (safe in finalizers).
+The next call that takes ``_lock`` moves what died into the idle lists (:func:`_settle`);
+the sweeper thread does it too while anything is mapped, so a quiet process still gets
+its idle segments trimmed.  (Taking ``_lock`` in the finalizer could deadlock: a GC pass
+inside the lease table's lock on one thread, ``_lock`` held by another that waits for the
+lease table.)
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import queue
 import threading
 import time
 import weakref
@@ -203,21 +213,46 @@ def _own_idle_drop(seg: Segment) -> None:
         _own_idle_bytes -= seg.size
 
 
+_died: queue.SimpleQueue = queue.SimpleQueue()  # segments whose anchor died, to settle
+
+
 def _anchor_died(seg: Segment) -> None:
+    """A finalizer: release the lease now (other processes may be waiting to reuse the
+    segment) and leave the idle bookkeeping to the next call that takes ``_lock``."""
     ofd_lease.release(seg.table_id, seg.slot)
     seg.idle_since = time.monotonic()
-    with _lock:
+    _died.put(seg)
+
+
+def _settle() -> bool:
+    """Move the segments whose anchor died since into the idle lists (caller holds
+    ``_lock``); True when any went idle."""
+    went = False
+    while not _died.empty():  # only callers holding _lock take from it
+        seg = _died.get_nowait()
         if _by_key.get(seg.key) is not seg or seg.alive() or seg.mm is None:
-            return
+            continue
         if seg.own:
             if seg.pinned:
-                return
+                continue
             _own_idle_put(seg)
         else:
             _cache_put(seg)
-    trim()
-    evict_idle()
-    _ensure_sweeper()
+        went = True
+    return went
+
+
+def settle() -> None:
+    """Settle what died (see :func:`_settle`), then apply the idle limits if anything went
+    idle: what a call that hands out or maps segments does first."""
+    if _died.empty():
+        return
+    with _lock:
+        went = _settle()
+    if went:
+        trim()
+        evict_idle()
+        _ensure_sweeper()
 
 
 def segment_of(a) -> Segment | None:
@@ -248,6 +283,7 @@ def acquire(nbytes: int, kind: str) -> tuple[Segment, np.ndarray]:
     and its anchor: held from the moment it is chosen, so no other thread can take it."""
     need = _capacity(nbytes)
     table = ofd_lease.own_table()
+    settle()
     with _lock:
         seg = _reuse(need, kind, table)
         if seg is None:
@@ -338,6 +374,7 @@ def carve(nbytes: int, kind: str) -> tuple[np.ndarray, int]:
                 return cur[1], off
             del _current[kind]
             del cur  # the full slab's anchor now lives only as long as arrays in it
+        _settle()  # a slab whose arrays all died may be reusable now
         size = _slab_size.get(kind, SLAB_MIN)
         table = ofd_lease.own_table()
         seg = _reuse(size, kind, table)
@@ -429,6 +466,9 @@ def trim(force: bool = False) -> int:
     Cheap when there is nothing to do: nothing is looked at before the oldest idle segment
     can be due, and a pass looks at most at the oldest few of each strategy."""
     global _next_trim
+    if not _died.empty():
+        with _lock:
+            _settle()
     now = time.monotonic()
     if not force and now < _next_trim and _own_idle_bytes <= IDLE_BYTES:
         return 0
@@ -503,6 +543,8 @@ def new_segment(key, kind, size, table_id, slot, own, fd, populate=False) -> Seg
     seg.mm = posix_shm.map_fd(fd, size, populate, file_of(key)[1])
     seg.address = seg.mm.address
     _by_buffer[id(seg.mm.buffer)] = seg
+    if _sweeper is None:  # settles what dies while anything is mapped (see _sweep)
+        _ensure_sweeper()
     return seg
 
 
@@ -512,6 +554,7 @@ def evict_idle(force: bool = False) -> int:
     now = time.monotonic()
     freed = 0
     with _lock:
+        _settle()
         while _cache:
             seg = next(iter(_cache.values()))
             if not (force or len(_cache) > CACHE_IDLE_COUNT or _cache_bytes > CACHE_IDLE_BYTES
@@ -533,7 +576,8 @@ SWEEP_SECONDS = 1.0
 
 
 def _sweep() -> None:
-    """Apply the idle limits while the process is otherwise quiet; stop when nothing idles."""
+    """Settle what died and apply the idle limits while the process is otherwise quiet;
+    stop when nothing is mapped (an anchor can only die while something is)."""
     global _sweeper
     while True:
         time.sleep(SWEEP_SECONDS)
@@ -543,7 +587,7 @@ def _sweep() -> None:
         except Exception:  # interpreter shutting down: nothing left to sweep for
             return
         with _lock:
-            if not any(_own_idle.values()) and not _cache:
+            if not _by_key and _died.empty():
                 _sweeper = None
                 return
 
@@ -559,12 +603,14 @@ def _ensure_sweeper() -> None:
 
 def mapped() -> list[Segment]:
     with _lock:
+        _settle()
         return list(_by_key.values())
 
 
 def idle_segments() -> list[Segment]:
     """Own segments waiting for reuse."""
     with _lock:
+        _settle()
         return [s for idle in _own_idle.values() for s in idle.values()]
 
 

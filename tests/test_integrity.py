@@ -415,3 +415,40 @@ def test_running_out_of_fds_says_which_limit_and_the_fix():
     last = r.stderr.strip().splitlines()[-1]
     assert "Too many open files" not in last and "ulimit -n 24" in last, last
     assert "raise the limit" in last
+
+
+def test_a_dying_anchor_waits_for_no_segment_lock(lc):
+    """A finalizer that took ``_segments._lock`` could deadlock (a GC pass inside the lease
+    table's lock on one thread, ``_lock`` held by another that waits for the lease table):
+    an array dies, and its lease goes, while another thread holds ``_lock``."""
+    import threading
+
+    from shmtensor.ipc import ofd_lease
+    a = shmtensor.empty(2 << 20, dtype=np.uint8)  # a segment of its own (not a slab)
+    seg = _segments.segment_of(a)
+    holding, let_go, dropped = threading.Event(), threading.Event(), threading.Event()
+
+    def hold_lock():
+        with _segments._lock:
+            holding.set()
+            let_go.wait(JOIN)
+
+    def drop(arrays):
+        arrays.clear()  # the anchor's finalizer runs here, in this thread
+        dropped.set()
+
+    holder = threading.Thread(target=hold_lock)
+    holder.start()
+    try:
+        assert holding.wait(JOIN)
+        arrays = [a]
+        del a
+        dropper = threading.Thread(target=drop, args=(arrays,))
+        dropper.start()
+        assert dropped.wait(10), "a dying anchor waited for _segments._lock"
+        assert not ofd_lease.own_table().is_held(seg.slot)  # the lease went at once
+    finally:
+        let_go.set()
+        holder.join(JOIN)
+    dropper.join(JOIN)
+    assert seg in _segments.idle_segments()  # settled by the next call that takes the lock
