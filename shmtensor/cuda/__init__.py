@@ -39,9 +39,15 @@ def _install_cupy() -> None:
     _reducers.register()
 
 
+_vmm_lane_loads = None
+
+
 def _lane_loads(data, fds):
-    from . import _vmm
-    return _vmm.lane_loads(data, fds)
+    """A VMM lane message: ``_vmm.lane_loads``, imported by the first one."""
+    global _vmm_lane_loads
+    if _vmm_lane_loads is None:
+        from ._vmm import lane_loads as _vmm_lane_loads
+    return _vmm_lane_loads(data, fds)
 
 
 def _stats() -> dict:
