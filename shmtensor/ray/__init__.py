@@ -96,8 +96,18 @@ def _setup_worker() -> None:
     register()
 
 
+# Ray kills a worker's child processes when the worker exits.  shmtensor's janitor (which
+# unlinks the named segments of a creator that died, once nobody holds them) is such a
+# child: killed with its worker, it leaves those names in /dev/shm.  See runtime_env.
+KEEP_CHILDREN = "RAY_kill_child_processes_on_worker_exit"
+
+
 def runtime_env(env: dict | None = None) -> dict:
-    """``env`` (a Ray runtime_env) with shmtensor's setup hook added."""
+    """``env`` (a Ray runtime_env) with shmtensor's setup hook added, and Ray's killing of
+    a dead worker's child processes turned off unless ``env_vars`` sets
+    ``RAY_kill_child_processes_on_worker_exit`` itself: a worker's janitor must outlive it
+    to unlink its named segments (with that killing on, they stay in /dev/shm until
+    ``shmtensor clean``; the default memfd strategy needs no janitor)."""
     env = dict(env or {})
     hook = env.get("worker_process_setup_hook")
     if hook is not None and hook != SETUP_HOOK:
@@ -105,6 +115,9 @@ def runtime_env(env: dict | None = None) -> dict:
             f"runtime_env already has worker_process_setup_hook={hook!r}; Ray runs one hook "
             "per job: call shmtensor.ray.register() at the start of that hook instead")
     env["worker_process_setup_hook"] = SETUP_HOOK
+    env_vars = dict(env.get("env_vars") or {})
+    env_vars.setdefault(KEEP_CHILDREN, "false")
+    env["env_vars"] = env_vars
     return env
 
 
