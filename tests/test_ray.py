@@ -212,6 +212,22 @@ def test_memory_outlives_the_sender_dropping_it(cluster, strategy):
         ray.kill(p)
 
 
+@pytest.mark.parametrize("callback", [True, False], ids=["callback", "polled"])
+def test_export_released_when_references_go(cluster, callback, monkeypatch):
+    from shmtensor.ray import _exports
+    monkeypatch.setattr(_exports, "USE_CALLBACK", callback)
+    monkeypatch.setattr(_exports, "GRACE", 0.1)
+    before = sr.exports_held()
+    a = shmtensor.full(1000, 1.0)
+    refs = [ray.put(a), ray.put([a, a])]  # one export each: pickle memoizes the second a
+    assert sr.exports_held() == before + 2
+    time.sleep(0.3)  # past the grace: only Ray's references hold them now
+    assert sr.exports_held() == before + 2
+    assert (ray.get(refs[1])[1] == 1.0).all()
+    del refs
+    poll(lambda: sr.exports_held() == before, "exports held after their references went")
+
+
 def test_killed_actors_arrays_are_reclaimed(cluster):
     before = shm_names()
     p = Producer.options(**HERE).remote("file_system")

@@ -90,7 +90,7 @@ def export(arr):
     slot = table.new_slot()
     lease = ofd_lease.inflight_fd(table.id, [slot])
     try:
-        pin = ray.put(None)
+        pin = _exports.new_pin()
     except BaseException:
         os.close(lease)
         raise

@@ -7,8 +7,11 @@ return value, borrowers in other workers, other objects that contain it), and dr
 when the last one is gone.  While the pin lives, this process keeps the export: an open
 lease description (the memory's slot read-locked, so its creator cannot reuse it) and, for
 a memfd segment, a duplicate of the memfd (how receivers on this host reach it, through
-``/proc/PID/fd``).  A thread polls this process's Ray reference table and closes the
-export of each pin that has left it; if this process dies, the kernel closes them.
+``/proc/PID/fd``).  When Ray says the pin went out of scope
+(``add_object_out_of_scope_callback``; with an older Ray, a thread polls this process's
+reference table) the export is closed; if this process dies, the kernel closes it.  For
+``GRACE`` after its serialization the export keeps a reference to its pin itself (see
+there), and the pins are made ahead by a helper thread (``ray.put`` costs ~1 ms).
 
 A CUDA export also keeps the CuPy memory itself, and a lease slot that receivers hold
 while they map it: after its pin is gone it *drains* until no receiver holds the slot.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from functools import partial
 
 from shmtensor.ipc import ofd_lease
 
@@ -29,19 +33,21 @@ POLL_MAX = 0.5
 # can be absent from the reference table (seen under a two-node cluster): a new pin is not
 # judged by the table until this much time has passed.
 GRACE = 1.0
+USE_CALLBACK = True  # False: poll even where Ray offers the callback (tests the fallback)
 
 
 class Export:
     """What one pin keeps alive here: fds to close, an object to keep, a slot receivers
     may hold after the pin is gone (then kept until nobody holds it)."""
 
-    __slots__ = ("fds", "keep", "slot", "done", "pin", "until")
+    __slots__ = ("fds", "keep", "slot", "done", "pin", "until", "watched")
 
     def __init__(self, fds: list[int], keep: object = None, slot: int | None = None,
                  done=None) -> None:
         self.fds, self.keep, self.slot, self.done = fds, keep, slot, done
         self.pin = None  # our own reference to the pin during GRACE (see add)
         self.until = 0.0
+        self.watched = False  # Ray calls us back when the pin goes (else: polled)
 
     def finish(self) -> None:
         """Let go of the kept object (the memory returns to its allocator)."""
@@ -58,6 +64,77 @@ _thread: threading.Thread | None = None
 _wake = threading.Event()
 
 
+# Pins made ahead of need by a helper thread: ``ray.put`` costs ~1 ms (a round trip to the
+# object store), which would otherwise be paid in every serialization.
+PINS_AHEAD = 4
+_pins: list = []          # ready pins, all of one Ray session
+_pins_session: list = [None]
+_pin_wake = threading.Event()
+_pin_thread: threading.Thread | None = None
+
+
+def _session():
+    from ray._private import worker
+    return getattr(worker.global_worker, "core_worker", None)
+
+
+def new_pin():
+    """A fresh ObjectRef owned by this process, to stand for one serialization."""
+    global _pin_thread
+    import ray
+    session = _session()
+    pin = None
+    with _lock:
+        if _pins_session[0] is session and _pins:
+            pin = _pins.pop()
+        if _pin_thread is None:
+            _pin_thread = threading.Thread(target=_make_pins, daemon=True,
+                                           name="shmtensor-ray-pins")
+            _pin_thread.start()
+    _pin_wake.set()
+    return pin if pin is not None else ray.put(None)
+
+
+def _make_pins() -> None:
+    """Keep PINS_AHEAD pins ready (under Ray's connect/shutdown lock, never waited for)."""
+    global _pin_thread
+    import ray
+    while True:
+        if not _pin_wake.wait(5.0):
+            with _lock:
+                _pin_thread = None
+            return
+        _pin_wake.clear()
+        while True:
+            lock = _ray_lock()
+            if lock is not None and not lock.acquire(blocking=False):
+                break
+            try:
+                if not ray.is_initialized():
+                    stale = None
+                    with _lock:
+                        stale, _pins[:] = list(_pins), []
+                    del stale
+                    break
+                session = _session()
+                with _lock:
+                    if _pins_session[0] is not session:
+                        stale, _pins[:] = list(_pins), []
+                        _pins_session[0] = session
+                    if len(_pins) >= PINS_AHEAD:
+                        break
+                try:
+                    pin = ray.put(None)
+                except Exception:
+                    break
+                with _lock:
+                    if _pins_session[0] is session:
+                        _pins.append(pin)
+            finally:
+                if lock is not None:
+                    lock.release()
+
+
 def add(pin, export: Export) -> None:
     """Keep ``export`` while Ray references ``pin`` (an ObjectRef this process owns)."""
     global _thread
@@ -68,7 +145,19 @@ def add(pin, export: Export) -> None:
         if _thread is None:
             _thread = threading.Thread(target=_poll, daemon=True, name="shmtensor-ray-exports")
             _thread.start()
-    _wake.set()
+    from ray._private import worker
+    watch = getattr(worker.global_worker.core_worker, "add_object_out_of_scope_callback", None)
+    if watch is not None and USE_CALLBACK:  # Ray >= 2.5x: told, not polled (our reference holds it meanwhile)
+        export.watched = bool(watch(pin, partial(_out_of_scope, pin_key)))
+
+
+def _out_of_scope(pin_key: bytes, _object_id: bytes) -> None:
+    """Ray's callback (its own thread): every reference to the pin is gone."""
+    with _lock:
+        export = _live.pop(pin_key, None)
+    if export is not None and not _close(export):
+        with _lock:
+            _draining.append(export)
 
 
 def count() -> int:
@@ -102,7 +191,7 @@ def _judge() -> tuple[list[bytes], set[bytes] | None]:
         with _lock:  # listed before Ray's table is read: a pin added meanwhile is not judged
             for key, e in _live.items():
                 if e.pin is None:
-                    candidates.append(key)
+                    candidates.append(key)  # a watched one only counts once Ray is gone
                 elif now > e.until:
                     dropped.append(e.pin)  # from the next poll on, Ray's table decides
                     e.pin = None
@@ -110,6 +199,10 @@ def _judge() -> tuple[list[bytes], set[bytes] | None]:
         w = worker.global_worker
         if not w.connected:
             return candidates, None
+        with _lock:
+            candidates = [k for k in candidates if k in _live and not _live[k].watched]
+        if not candidates:
+            return [], set()
         try:
             return candidates, set(w.core_worker.get_all_reference_counts())
         except Exception:  # disconnected meanwhile
@@ -179,9 +272,10 @@ def _poll() -> None:
 def _after_fork_in_child() -> None:
     """The parent's exports are the parent's: the child closes its copies of their fds
     (the descriptions, and so the locks, stay open in the parent)."""
-    global _lock, _thread
+    global _lock, _thread, _pin_thread
     _lock = threading.Lock()
-    _thread = None
+    _thread = _pin_thread = None
+    _pins.clear()
     for e in list(_live.values()) + _draining:
         for fd in e.fds:
             try:

@@ -114,7 +114,7 @@ def export(a: np.ndarray, seg) -> tuple | None:
     try:
         if memfd is not None:
             fds.append(os.dup(memfd))
-        pin = ray.put(None)
+        pin = _exports.new_pin()
     except BaseException:
         for fd in fds:
             os.close(fd)
