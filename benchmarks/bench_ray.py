@@ -1,13 +1,14 @@
 """Ray, one host: a 64 MB array from an actor to a task and back, mutated in place.
 
-The round trip: the actor hands its array to a task (``task.remote(actor.get.remote())``),
-the task adds 1 to every element and returns the array, and the actor takes the result
-back as its writable array (``actor.take.remote(result)``); timed to the end of ``take``.
+The round trip, timed in the actor: it passes its array to a task
+(``ray.get(bump.remote(self.a))``), the task adds 1 to every element and returns the
+array, and the actor has the result as its own writable array again.
 
-* plain Ray (no shmtensor loaded in the session): the actor's return is copied into the
-  object store; the task's argument is a read-only view there, so the task makes a new
+* plain Ray (no shmtensor loaded in the session): the actor's argument is copied into
+  the object store; the task's argument is a read-only view there, so the task makes a new
   array (``a + 1``, one pass) and returns it (a second copy into the object store); the
-  actor copies it into its own array (``np.copyto``): three copies plus the pass.
+  actor copies the read-only result into its own array (``np.copyto``): three copies
+  plus the pass.
 * shmtensor.ray: the actor's array is shared (``shmtensor.zeros``); the task gets a view of
   the same memory and adds 1 in place (``a += 1``); the actor gets its own memory back.
 
@@ -38,6 +39,14 @@ def _ray_args() -> dict:
 
 
 def _remotes(ray, shared: bool):
+    def bump(a):
+        if a.flags.writeable:
+            a += 1
+            return a
+        return a + 1
+
+    bump = ray.remote(num_cpus=0)(bump)
+
     class Holder:
         def __init__(self, nbytes: int):
             if shared:
@@ -46,25 +55,26 @@ def _remotes(ray, shared: bool):
             else:
                 self.a = np.zeros(nbytes // 8)
 
-        def get(self):
-            return self.a
+        def round_trips(self, rounds: int) -> list[float]:
+            """Seconds per round trip, timed here; each round checked."""
+            times = []
+            for _ in range(rounds):
+                expected = self.a[0] + 1
+                t0 = time.perf_counter()
+                b = ray.get(bump.remote(self.a))
+                if not np.shares_memory(b, self.a):
+                    np.copyto(self.a, b)  # plain Ray: a read-only copy came back
+                times.append(time.perf_counter() - t0)
+                del b
+                if self.a[0] != expected or self.a[-1] != expected:
+                    raise AssertionError(f"round trip lost the update: {self.a[0]}")
+            return times
 
-        def take(self, b):
-            if b is not self.a and not np.shares_memory(b, self.a):
-                np.copyto(self.a, b)  # plain Ray: a read-only copy arrives; ours is ours
-            return float(self.a[0])
-
-    def bump(a):
-        if a.flags.writeable:
-            a += 1
-            return a
-        return a + 1
-
-    return (ray.remote(num_cpus=0)(Holder), ray.remote(num_cpus=0)(bump))
+    return ray.remote(num_cpus=0)(Holder)
 
 
 def round_trips(shared: bool, rounds: int) -> list[float]:
-    """Seconds per round trip, in a fresh Ray session; every round is checked."""
+    """Seconds per round trip, in a fresh Ray session (warmed by one round first)."""
     import ray
     if shared:
         import shmtensor.ray as sr
@@ -72,18 +82,9 @@ def round_trips(shared: bool, rounds: int) -> list[float]:
     else:
         ray.init(**_ray_args())
     try:
-        holder_cls, bump = _remotes(ray, shared)
-        holder = holder_cls.remote(NBYTES)
-        ray.get(holder.take.remote(bump.remote(holder.get.remote())))  # warm: workers up
-        expected = 1.0
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            value = ray.get(holder.take.remote(bump.remote(holder.get.remote())))
-            times.append(time.perf_counter() - t0)
-            expected += 1.0
-            if value != expected:
-                raise AssertionError(f"round trip lost the update: {value} != {expected}")
+        holder = _remotes(ray, shared).remote(NBYTES)
+        ray.get(holder.round_trips.remote(1))  # warm: workers up, mappings made
+        times = ray.get(holder.round_trips.remote(rounds))
         ray.kill(holder)
         return times
     finally:
@@ -114,7 +115,9 @@ def section(times: dict[str, list[float]]) -> Section:
                         ">=", 5, section="ray")],
         data={"array_bytes": NBYTES, "rounds_s": times,
               "median_s": med},
-        notes=["plain Ray: the actor's return and the task's result are copied into the "
+        notes=["timed in the actor: ray.get(bump.remote(self.a)), until the actor has the "
+               "result as its own writable array",
+               "plain Ray: the argument and the task's result are copied into the "
                "object store, the task's input is read-only there (a + 1 makes a new "
                "array) and the actor copies the result into its array",
                "shmtensor.ray: the task adds 1 in place in the actor's own memory"])

@@ -40,7 +40,7 @@ class Export:
     """What one pin keeps alive here: fds to close, an object to keep, a slot receivers
     may hold after the pin is gone (then kept until nobody holds it)."""
 
-    __slots__ = ("fds", "keep", "slot", "done", "pin", "until", "watched")
+    __slots__ = ("fds", "keep", "slot", "done", "pin", "until", "watched", "ident")
 
     def __init__(self, fds: list[int], keep: object = None, slot: int | None = None,
                  done=None) -> None:
@@ -48,6 +48,7 @@ class Export:
         self.pin = None  # our own reference to the pin during GRACE (see add)
         self.until = 0.0
         self.watched = False  # Ray calls us back when the pin goes (else: polled)
+        self.ident = None  # what it exports, when serializations of it share it (reuse)
 
     def finish(self) -> None:
         """Let go of the kept object (the memory returns to its allocator)."""
@@ -135,13 +136,31 @@ def _make_pins() -> None:
                     lock.release()
 
 
-def add(pin, export: Export) -> None:
-    """Keep ``export`` while Ray references ``pin`` (an ObjectRef this process owns)."""
+_by_ident: dict[object, Export] = {}  # exports open to reuse (their pin still ours)
+
+
+def reuse(ident) -> tuple:
+    """``(pin, export)`` of a live export of ``ident`` whose pin this process still holds
+    (within GRACE of its last use; the grace starts again), else ``(None, None)``."""
+    with _lock:
+        e = _by_ident.get(ident)
+        if e is None or e.pin is None or not e.fds:
+            return None, None
+        e.until = time.monotonic() + GRACE
+        return e.pin, e
+
+
+def add(pin, export: Export, ident=None) -> None:
+    """Keep ``export`` while Ray references ``pin`` (an ObjectRef this process owns);
+    with ``ident``, later serializations of the same thing may share it (:func:`reuse`)."""
     global _thread
     pin_key = pin.hex().encode()
     export.pin, export.until = pin, time.monotonic() + GRACE
     with _lock:
         _live[pin_key] = export
+        if ident is not None:
+            export.ident = ident
+            _by_ident[ident] = export
         if _thread is None:
             _thread = threading.Thread(target=_poll, daemon=True, name="shmtensor-ray-exports")
             _thread.start()
@@ -195,6 +214,8 @@ def _judge() -> tuple[list[bytes], set[bytes] | None]:
                 elif now > e.until:
                     dropped.append(e.pin)  # from the next poll on, Ray's table decides
                     e.pin = None
+                    if e.ident is not None and _by_ident.get(e.ident) is e:
+                        del _by_ident[e.ident]  # not ours to nest any more
         del dropped  # the ObjectRefs go here, under Ray's lock, outside ours
         w = worker.global_worker
         if not w.connected:
@@ -214,6 +235,9 @@ def _judge() -> tuple[list[bytes], set[bytes] | None]:
 
 def _close(export: Export) -> bool:
     """Close the export's fds; True when it is finished (nothing left to drain)."""
+    with _lock:
+        if export.ident is not None and _by_ident.get(export.ident) is export:
+            del _by_ident[export.ident]
     for fd in export.fds:
         try:
             os.close(fd)
@@ -276,6 +300,7 @@ def _after_fork_in_child() -> None:
     _lock = threading.Lock()
     _thread = _pin_thread = None
     _pins.clear()
+    _by_ident.clear()
     for e in list(_live.values()) + _draining:
         for fd in e.fds:
             try:

@@ -102,27 +102,34 @@ def deserialize(payload):
 
 def export(a: np.ndarray, seg) -> tuple | None:
     """Hold ``seg`` for as long as Ray references the returned handle's pin; None when this
-    process cannot hand ``seg`` on by reference (Ray not connected, no memfd kept)."""
+    process cannot hand ``seg`` on by reference (Ray not connected, no memfd kept).
+
+    Serializations of one segment within ``_exports.GRACE`` of each other share one export
+    and one pin: it then lives while any Ray object holding any of them does."""
     import ray
     if not ray.is_initialized():
         return None
     memfd = _memfd_of(seg) if seg.kind == FD else None
     if seg.kind == FD and memfd is None:
         return None
-    lease = ofd_lease.inflight_fd(seg.table_id, [seg.slot])
-    fds = [lease]
-    try:
-        if memfd is not None:
-            fds.append(os.dup(memfd))
-        pin = _exports.new_pin()
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    _exports.add(pin, _exports.Export(fds))
+    ident = (seg.table_id, seg.slot, seg.key)
+    pin, export = _exports.reuse(ident)
+    if pin is None:
+        fds = [ofd_lease.inflight_fd(seg.table_id, [seg.slot])]
+        try:
+            if memfd is not None:
+                fds.append(os.dup(memfd))
+            pin = _exports.new_pin()
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        export = _exports.Export(fds)
+        _exports.add(pin, export, ident)
+    lease = export.fds[0]
     ctx = ray.get_runtime_context()
     handle = Handle(_host.host_id(), ctx.get_node_id(), os.getpid(), lease,
-                     fds[1] if memfd is not None else -1, seg.key, seg.kind, seg.size,
+                     export.fds[1] if memfd is not None else -1, seg.key, seg.kind, seg.size,
                      seg.table_id, seg.slot,
                      a.__array_interface__["data"][0] - seg.address, a.shape, a.strides,
                      a.dtype, a.flags.writeable)
