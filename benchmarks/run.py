@@ -2,10 +2,12 @@
 
 Usage: ``scripts/bench [--quick] [--out DIR]``.  Runs, in order: the core table (queues of
 stdlib, shmtensor, torch, SharedMemory, joblib; :mod:`benchmarks.bench_core`), the inline
-threshold sweep, small arrays at scale, ``Pool.map`` of 1 GB of arrays, a 4-worker data loader, the CLI's
-overhead, and, where CuPy sees a GPU, the CUDA relay and 1 GiB re-send
-(:mod:`benchmarks.bench_cuda`).  Prints every table with its targets' verdicts, writes ``DIR/results.json`` and,
-with matplotlib, ``DIR/plot.png`` (the core table).
+threshold sweep, small arrays at scale, ``Pool.map`` of 1 GB of arrays, a 4-worker data
+loader, the CLI's overhead, where CuPy sees a GPU, the CUDA relay and 1 GiB re-send
+(:mod:`benchmarks.bench_cuda`), and, where Ray is installed, a 64 MB actor -> task -> actor
+round trip against plain Ray (:mod:`benchmarks.bench_ray`).  Prints every table with its
+targets' verdicts, writes ``DIR/results.json`` and, with matplotlib, ``DIR/plot.png`` (the
+core table).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import psutil
 import shmtensor as st
 
 from . import (_report, bench_cli, bench_core, bench_cuda, bench_loader, bench_pool,
-               bench_scale, bench_threshold)
+               bench_ray, bench_scale, bench_threshold)
 from ._report import Section
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,6 +112,7 @@ def section_plan(settings: bench_core.Settings, quick: bool,
         ("loader", partial(bench_loader.run, quick)),
         ("cli", partial(bench_cli.run, 3 if quick else 5)),
         ("cuda", bench_cuda.run),
+        ("ray", partial(bench_ray.run, quick)),
     ]
 
 

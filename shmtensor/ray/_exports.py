@@ -166,7 +166,7 @@ def add(pin, export: Export, ident=None) -> None:
             _thread.start()
     from ray._private import worker
     watch = getattr(worker.global_worker.core_worker, "add_object_out_of_scope_callback", None)
-    if watch is not None and USE_CALLBACK:  # Ray >= 2.5x: told, not polled (our reference holds it meanwhile)
+    if watch is not None and USE_CALLBACK:  # told, not polled (our reference holds it now)
         export.watched = bool(watch(pin, partial(_out_of_scope, pin_key)))
 
 
