@@ -63,11 +63,16 @@ def cluster():
     finally:
         ray.shutdown()
         c.shutdown()
-        gc.collect()
-        shmtensor.empty_cache()
+        from shmtensor.ray import _exports
+        assert _exports.wait_released(DEADLINE), "exports still held after Ray shut down"
+
+        def clean() -> bool:
+            gc.collect()
+            shmtensor.empty_cache()  # our own idle segments, unheld once the exports went
+            return not (shm_names() - before)
+
         # every process of the cluster is gone: their janitors unlink what they left
-        poll(lambda: not (shm_names() - before),
-             f"/dev/shm still has {sorted(shm_names() - before)} after Ray shut down")
+        poll(clean, f"/dev/shm still has {sorted(shm_names() - before)} after Ray shut down")
 
 
 @pytest.fixture(params=sorted(shmtensor.get_all_sharing_strategies()))

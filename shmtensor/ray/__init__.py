@@ -24,13 +24,6 @@ import importlib.util
 import sys
 import threading
 
-try:
-    import ray
-    import ray.util
-    import ray.util.multiprocessing
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("shmtensor.ray needs Ray: pip install 'shmtensor[ray]'") from e
-
 import numpy as np
 
 from . import _exports, _host, _numpy
@@ -40,6 +33,18 @@ __all__ = ["init", "register", "runtime_env", "Pool", "host_id", "SenderGone",
            "exports_held", "SETUP_HOOK"]
 
 SETUP_HOOK = "shmtensor.ray._setup_worker"
+
+
+def _ray():
+    """Ray, imported on first use: importing shmtensor.ray needs no Ray (as shmtensor.cuda
+    needs no CuPy), using it does."""
+    try:
+        import ray
+        import ray.util
+        import ray.util.multiprocessing  # noqa: F401
+    except ImportError as e:
+        raise ImportError("shmtensor.ray needs Ray: pip install 'shmtensor[ray]'") from e
+    return ray
 _lock = threading.Lock()
 _registered: set[str] = set()
 
@@ -47,6 +52,7 @@ _registered: set[str] = set()
 def register() -> None:
     """Register shmtensor's serializers for numpy (and CuPy, once imported) arrays with
     Ray in this process.  Idempotent; needs this process connected to Ray."""
+    ray = _ray()
     with _lock:
         if "numpy" not in _registered:
             ray.util.register_serializer(np.ndarray, serializer=_numpy.serialize,
@@ -61,6 +67,7 @@ def register() -> None:
 
 def _register_cupy() -> None:
     import cupy
+    ray = _ray()
     from . import _cupy
     ray.util.register_serializer(cupy.ndarray, serializer=_cupy.serialize,
                                  deserializer=_cupy.deserialize)
@@ -84,7 +91,7 @@ class _CupyWatch(importlib.abc.MetaPathFinder):
             exec_module(module)
             sys.modules[name] = module
             with _lock:
-                if "cupy" not in _registered and ray.is_initialized():
+                if "cupy" not in _registered and _ray().is_initialized():
                     _register_cupy()
 
         spec.loader.exec_module = exec_and_register
@@ -125,7 +132,7 @@ def init(*args, **kwargs):
     """``ray.init`` with shmtensor's serializers registered in this process and, through
     the job's runtime_env, in every worker.  Returns what ``ray.init`` returns."""
     kwargs["runtime_env"] = runtime_env(kwargs.get("runtime_env"))
-    info = ray.init(*args, **kwargs)
+    info = _ray().init(*args, **kwargs)
     register()
     return info
 
@@ -147,30 +154,48 @@ class _Init:
             self.initializer(*self.initargs)
 
 
-class Pool(ray.util.multiprocessing.Pool):
-    """``multiprocessing.Pool``'s API on a Ray cluster (Ray's own pool of actors), with
-    shmtensor arrays crossing by reference between workers on one host.
-
-    Code written against ``shmtensor.multiprocessing.Pool`` moves to a cluster by changing
-    the constructor.  ``context`` is accepted and ignored, as Ray's pool does;
-    ``ray_address`` and ``ray_remote_args`` are Ray's.  When Ray is not initialized it is,
-    as Ray's pool does it, through :func:`init`."""
-
-    def __init__(self, processes: int | None = None, initializer=None, initargs=(),
-                 maxtasksperchild: int | None = None, context=None,
-                 ray_address: str | None = None, ray_remote_args: dict | None = None) -> None:
-        if processes is not None and processes <= 0:
-            raise ValueError("Number of processes must be at least 1")
-        if not ray.is_initialized():
-            import os
-            if ray_address is None and "RAY_ADDRESS" not in os.environ:
-                init(num_cpus=processes)
-            else:
-                init(address=ray_address)
-        register()
-        super().__init__(processes, _Init(initializer, initargs), None, maxtasksperchild,
-                         None, None, ray_remote_args)
+_pool_class: list = []
 
 
-if ray.is_initialized():  # imported in a worker (to rebuild an array): send the same way
-    register()
+def _make_pool_class():
+    ray = _ray()
+
+    class Pool(ray.util.multiprocessing.Pool):
+        """``multiprocessing.Pool``'s API on a Ray cluster (Ray's own pool of actors), with
+        shmtensor arrays crossing by reference between workers on one host.
+
+        Code written against ``shmtensor.multiprocessing.Pool`` moves to a cluster by
+        changing the constructor.  ``context`` is accepted and ignored, as Ray's pool does;
+        ``ray_address`` and ``ray_remote_args`` are Ray's.  When Ray is not initialized it
+        is, as Ray's pool does it, through :func:`init`."""
+
+        def __init__(self, processes: int | None = None, initializer=None, initargs=(),
+                     maxtasksperchild: int | None = None, context=None,
+                     ray_address: str | None = None,
+                     ray_remote_args: dict | None = None) -> None:
+            if processes is not None and processes <= 0:
+                raise ValueError("Number of processes must be at least 1")
+            if not ray.is_initialized():
+                import os
+                if ray_address is None and "RAY_ADDRESS" not in os.environ:
+                    init(num_cpus=processes)
+                else:
+                    init(address=ray_address)
+            register()
+            super().__init__(processes, _Init(initializer, initargs), None, maxtasksperchild,
+                             None, None, ray_remote_args)
+
+    Pool.__module__, Pool.__qualname__ = __name__, "Pool"
+    return Pool
+
+
+def __getattr__(name: str):
+    if name == "Pool":  # a subclass of Ray's pool: made when first asked for
+        if not _pool_class:
+            _pool_class.append(_make_pool_class())
+        return _pool_class[0]
+    raise AttributeError(f"module 'shmtensor.ray' has no attribute {name!r}")
+
+
+if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+    register()  # imported in a worker (to rebuild an array): send the same way

@@ -20,6 +20,7 @@ while they map it: after its pin is gone it *drains* until no receiver holds the
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from functools import partial
@@ -276,17 +277,20 @@ def release_gone() -> int:
 
 
 def _poll() -> None:
+    """Ends pins' grace, releases what Ray no longer references (where Ray does not call
+    back), drains CUDA exports; exits when nothing is held (``add`` starts it again)."""
     global _thread
     delay = POLL_MIN
     while True:
         _wake.wait(delay)
-        woken = _wake.is_set()
         _wake.clear()
         try:
             released = release_gone()
-        except Exception:  # interpreter shutting down
-            return
-        delay = POLL_MIN if (woken or released) else min(POLL_MAX, delay * 2)
+        except Exception:
+            if sys.is_finalizing():
+                return
+            released = 0  # a failed poll must not strand the exports: try again later
+        delay = POLL_MIN if released else min(POLL_MAX, delay * 2)
         with _lock:
             if not _live and not _draining:
                 _thread = None
