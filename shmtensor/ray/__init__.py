@@ -1,0 +1,201 @@
+"""shmtensor arrays between Ray tasks and actors: by reference on one host, by value across.
+
+A shared numpy array (``shmtensor.zeros``, ``share_memory``, one received from a shmtensor
+queue) or a CuPy array passed to a task or actor method, returned from one, or put with
+``ray.put`` arrives, on the sender's host, as a view of the same memory (writes visible
+both ways, as through shmtensor's queues); on another host, as a copy by value through
+Ray.  Any other array goes through Ray as it always does.  The user does not choose.
+
+Every process that sends arrays must have the serializers registered:
+
+* ``shmtensor.ray.init(...)`` is ``ray.init(...)`` plus a ``worker_process_setup_hook``
+  that registers them in every worker of the job, and in this process;
+* ``shmtensor.ray.register()`` registers them in the calling process (for a job whose
+  ``ray.init`` you do not control, call it in the task, or in your own setup hook);
+* :class:`Pool` does both for its workers.
+
+See docs/architecture.md ("Ray") for the design and its failure modes.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+import threading
+
+import numpy as np
+
+from . import _exports, _host, _numpy
+from ._host import SenderGone, host_id
+
+__all__ = ["init", "register", "runtime_env", "Pool", "host_id", "SenderGone",
+           "exports_held", "SETUP_HOOK"]
+
+SETUP_HOOK = "shmtensor.ray._setup_worker"
+
+
+def _ray():
+    """Ray, imported on first use: importing shmtensor.ray needs no Ray (as shmtensor.cuda
+    needs no CuPy), using it does."""
+    try:
+        import ray
+        import ray.util
+        import ray.util.multiprocessing  # noqa: F401
+    except ImportError as e:
+        raise ImportError("shmtensor.ray needs Ray: pip install 'shmtensor[ray]'") from e
+    return ray
+_lock = threading.Lock()
+_registered: set[str] = set()
+
+
+def register() -> None:
+    """Register shmtensor's serializers for numpy (and CuPy, once imported) arrays with
+    Ray in this process.  Idempotent; needs this process connected to Ray."""
+    ray = _ray()
+    with _lock:
+        if "numpy" not in _registered:
+            ray.util.register_serializer(np.ndarray, serializer=_numpy.serialize,
+                                         deserializer=_numpy.deserialize)
+            _registered.add("numpy")
+        if "cupy" not in _registered:
+            if "cupy" in sys.modules:
+                _register_cupy()
+            elif not any(isinstance(f, _CupyWatch) for f in sys.meta_path):
+                sys.meta_path.insert(0, _CupyWatch())
+
+
+def _register_cupy() -> None:
+    import cupy
+    ray = _ray()
+    from . import _cupy
+    ray.util.register_serializer(cupy.ndarray, serializer=_cupy.serialize,
+                                 deserializer=_cupy.deserialize)
+    _registered.add("cupy")
+
+
+class _CupyWatch(importlib.abc.MetaPathFinder):
+    """Registers the CuPy serializer right after ``import cupy`` (importing CuPy up front
+    would cost every worker a second)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "cupy":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_register(module):
+            exec_module(module)
+            sys.modules[name] = module
+            with _lock:
+                if "cupy" not in _registered and _ray().is_initialized():
+                    _register_cupy()
+
+        spec.loader.exec_module = exec_and_register
+        return spec
+
+
+def _setup_worker() -> None:
+    """The ``worker_process_setup_hook`` of :func:`init`."""
+    register()
+
+
+# Ray kills a worker's child processes when the worker exits.  shmtensor's janitor (which
+# unlinks the named segments of a creator that died, once nobody holds them) is such a
+# child: killed with its worker, it leaves those names in /dev/shm.  See runtime_env.
+KEEP_CHILDREN = "RAY_kill_child_processes_on_worker_exit"
+
+
+def runtime_env(env: dict | None = None) -> dict:
+    """``env`` (a Ray runtime_env) with shmtensor's setup hook added, and Ray's killing of
+    a dead worker's child processes turned off unless ``env_vars`` sets
+    ``RAY_kill_child_processes_on_worker_exit`` itself: a worker's janitor must outlive it
+    to unlink its named segments (with that killing on, they stay in /dev/shm until
+    ``shmtensor clean``; the default memfd strategy needs no janitor)."""
+    env = dict(env or {})
+    hook = env.get("worker_process_setup_hook")
+    if hook is not None and hook != SETUP_HOOK:
+        raise ValueError(
+            f"runtime_env already has worker_process_setup_hook={hook!r}; Ray runs one hook "
+            "per job: call shmtensor.ray.register() at the start of that hook instead")
+    env["worker_process_setup_hook"] = SETUP_HOOK
+    env_vars = dict(env.get("env_vars") or {})
+    env_vars.setdefault(KEEP_CHILDREN, "false")
+    env["env_vars"] = env_vars
+    return env
+
+
+def init(*args, **kwargs):
+    """``ray.init`` with shmtensor's serializers registered in this process and, through
+    the job's runtime_env, in every worker.  Returns what ``ray.init`` returns."""
+    kwargs["runtime_env"] = runtime_env(kwargs.get("runtime_env"))
+    info = _ray().init(*args, **kwargs)
+    register()
+    return info
+
+
+def exports_held() -> int:
+    """How many exports (arrays handed to Ray and still referenced) this process holds."""
+    return _exports.count()
+
+
+class _Init:
+    """A Pool worker's initializer: registers, then runs the user's (picklable by value)."""
+
+    def __init__(self, initializer, initargs) -> None:
+        self.initializer, self.initargs = initializer, tuple(initargs or ())
+
+    def __call__(self) -> None:
+        register()
+        if self.initializer is not None:
+            self.initializer(*self.initargs)
+
+
+_pool_class: list = []
+
+
+def _make_pool_class():
+    ray = _ray()
+
+    class Pool(ray.util.multiprocessing.Pool):
+        """``multiprocessing.Pool``'s API on a Ray cluster (Ray's own pool of actors), with
+        shmtensor arrays crossing by reference between workers on one host.
+
+        Code written against ``shmtensor.multiprocessing.Pool`` moves to a cluster by
+        changing the constructor.  ``context`` is accepted and ignored, as Ray's pool does;
+        ``ray_address`` and ``ray_remote_args`` are Ray's.  When Ray is not initialized it
+        is, as Ray's pool does it, through :func:`init`."""
+
+        def __init__(self, processes: int | None = None, initializer=None, initargs=(),
+                     maxtasksperchild: int | None = None, context=None,
+                     ray_address: str | None = None,
+                     ray_remote_args: dict | None = None) -> None:
+            if processes is not None and processes <= 0:
+                raise ValueError("Number of processes must be at least 1")
+            if not ray.is_initialized():
+                import os
+                if ray_address is None and "RAY_ADDRESS" not in os.environ:
+                    init(num_cpus=processes)
+                else:
+                    init(address=ray_address)
+            register()
+            super().__init__(processes, _Init(initializer, initargs), None, maxtasksperchild,
+                             None, None, ray_remote_args)
+
+    Pool.__module__, Pool.__qualname__ = __name__, "Pool"
+    return Pool
+
+
+def __getattr__(name: str):
+    if name == "Pool":  # a subclass of Ray's pool: made when first asked for
+        if not _pool_class:
+            _pool_class.append(_make_pool_class())
+        return _pool_class[0]
+    raise AttributeError(f"module 'shmtensor.ray' has no attribute {name!r}")
+
+
+if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+    register()  # imported in a worker (to rebuild an array): send the same way

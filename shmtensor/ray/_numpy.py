@@ -1,0 +1,195 @@
+"""numpy arrays through Ray: shared ones as handles to their segment, others as Ray does.
+
+Ray picks a serializer by exact class, and every shared array is a plain ``np.ndarray``,
+so the reducer registered for ``np.ndarray`` looks at each array: one whose memory is a
+shmtensor segment becomes a small handle (an export of this process, see
+:mod:`._exports`); any other is reduced as numpy reduces it for pickle protocol 5, which
+is what Ray does without us (its data goes out of band into the object store and is read
+there zero-copy, read-only).
+
+A handle is rebuilt on the sender's host as a view of the same segment, writable both
+ways: the receiver reopens the sender's lease description and memfd through
+``/proc/PID/fd`` (a named segment by its name) and holds the segment's lease as any
+shmtensor receiver does.  On another host, the data comes by value from the agent of the
+sender's node (:mod:`._agent`) and lands in a shared segment of the receiver's host, so it
+crosses that host zero-copy from then on.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import NamedTuple
+
+import numpy as np
+
+from shmtensor import _alloc, _segments
+from shmtensor.ipc import ofd_lease, posix_shm
+
+from . import _agent, _exports, _host
+
+FD, FS = _segments.FD, _segments.FS
+
+
+class Handle(NamedTuple):
+    """What a shared array is to Ray: where its memory is, and how to view it."""
+
+    host: str
+    node_id: str
+    pid: int
+    lease_fd: int   # the sender's lease description (its /proc/PID/fd number)
+    seg_fd: int     # the sender's duplicate of the memfd, -1 for a named segment
+    key: str
+    kind: str
+    size: int
+    table_id: str
+    slot: int
+    offset: int
+    shape: tuple
+    strides: tuple
+    dtype: np.dtype
+    writeable: bool
+
+
+# Received memfds that the segment module did not keep (its budget was spent): a process
+# that forwards the array needs one to export.  Closed when the segment's anchor dies.
+_kept_lock = threading.Lock()
+_kept: dict[str, int] = {}
+
+
+def _drop_kept(key: str, fd: int) -> None:
+    with _kept_lock:
+        if _kept.get(key) == fd:
+            del _kept[key]
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _memfd_of(seg) -> int | None:
+    if seg.fd is not None:
+        return seg.fd
+    with _kept_lock:
+        return _kept.get(seg.key)
+
+
+def _plain(a: np.ndarray):
+    return a.__reduce_ex__(5)
+
+
+def serialize(a: np.ndarray):
+    """Ray's serializer for ``np.ndarray``: ``("s", handle, pin)`` for a shared array this
+    process can export, else ``("p", numpy's own reduction)``."""
+    seg = _segments.segment_of(a) if a.base is not None else None
+    if seg is not None:
+        exported = export(a, seg)
+        if exported is not None:
+            return exported
+    return ("p", _plain(a))
+
+
+def deserialize(payload):
+    if payload[0] == "p":
+        red = payload[1]
+        obj = red[0](*red[1])
+        if len(red) > 2 and red[2] is not None:
+            obj.__setstate__(red[2])
+        return obj
+    return rebuild(payload[1])
+
+
+def export(a: np.ndarray, seg) -> tuple | None:
+    """Hold ``seg`` for as long as Ray references the returned handle's pin; None when this
+    process cannot hand ``seg`` on by reference (Ray not connected, no memfd kept).
+
+    Serializations of one segment within ``_exports.GRACE`` of each other share one export
+    and one pin: it then lives while any Ray object holding any of them does."""
+    import ray
+    if not ray.is_initialized():
+        return None
+    memfd = _memfd_of(seg) if seg.kind == FD else None
+    if seg.kind == FD and memfd is None:
+        return None
+    ident = (seg.table_id, seg.slot, seg.key)
+    pin, export = _exports.reuse(ident)
+    if pin is None:
+        fds = [ofd_lease.inflight_fd(seg.table_id, [seg.slot])]
+        try:
+            if memfd is not None:
+                fds.append(os.dup(memfd))
+            pin = _exports.new_pin()
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        export = _exports.Export(fds)
+        _exports.add(pin, export, ident)
+    lease = export.fds[0]
+    ctx = ray.get_runtime_context()
+    handle = Handle(_host.host_id(), ctx.get_node_id(), os.getpid(), lease,
+                     export.fds[1] if memfd is not None else -1, seg.key, seg.kind, seg.size,
+                     seg.table_id, seg.slot,
+                     a.__array_interface__["data"][0] - seg.address, a.shape, a.strides,
+                     a.dtype, a.flags.writeable)
+    return ("s", handle, pin)
+
+
+def attach(h: Handle) -> np.ndarray:
+    """A view of the handle's memory in this process, holding its lease (same host only)."""
+    lease_src = _host.open_peer_fd(h.pid, h.lease_fd, f"{posix_shm.PREFIX}_{h.table_id}_lease")
+    mapfd = None
+    try:
+        if h.kind == FD:
+            mapfd = _host.open_peer_fd(h.pid, h.seg_fd, f"memfd:{_segments.file_of(h.key)[0]}")
+        anchor, took = _segments.receive(h.key, h.kind, h.size, h.table_id, h.slot, mapfd,
+                                         lease_src)
+    except BaseException:
+        if mapfd is not None:
+            os.close(mapfd)
+        raise
+    finally:
+        os.close(lease_src)
+    if mapfd is not None and not took:
+        seg = _segments.segment_of(anchor)
+        keep = seg is not None and seg.fd is None
+        if keep:
+            with _kept_lock:
+                keep = h.key not in _kept
+                if keep:
+                    _kept[h.key] = mapfd
+        if keep:
+            weakref.finalize(anchor, _drop_kept, h.key, mapfd).atexit = False
+        else:
+            os.close(mapfd)
+    out = np.ndarray(h.shape, h.dtype, anchor, h.offset, h.strides)
+    if not h.writeable:
+        out.flags.writeable = False
+    return out
+
+
+def rebuild(h: Handle) -> np.ndarray:
+    """The array a handle stands for: a view on the sender's host, else a copy by value."""
+    if h.host == _host.host_id():
+        try:
+            return attach(h)
+        except _host.NotReachable:
+            pass  # same host by its identity, but not by /proc: by value through the agent
+        except _host.SenderGone as e:
+            raise _host.SenderGone(
+                f"shmtensor.ray: the array sent by pid {h.pid} cannot be attached: {e}.  "
+                "A shared array sent through Ray stays reachable while its sender lives "
+                "(as a Ray object whose owner died is lost): keep the sending actor alive "
+                "until receivers have it, or send a copy (np.array(a))") from None
+    data = _agent.fetch(h.node_id, h)
+    out = _alloc.empty(h.shape, h.dtype)
+    np.copyto(out, data)
+    if not h.writeable:
+        out.flags.writeable = False
+    return out
+
+
+def read_for_agent(h: Handle):
+    """The handle's data, for the agent to send by value."""
+    return np.ascontiguousarray(attach(h))
