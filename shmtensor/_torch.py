@@ -9,12 +9,16 @@ CPU storage into torch's shared memory and hand its fd over through a resource-s
 * A storage whose memory lies in a segment (``torch.from_numpy(shmtensor.zeros(...))``, a
   tensor received from a channel) crosses as a handle to it: no copy, writes visible both
   ways, and released when the last tensor on it dies, as a numpy array on a segment is.
-* Any other CPU storage (torch's own shared memory included) is copied once into a recycled
-  segment or slab, or pickled inline under the inline threshold, as numpy's arrays are.
+* A storage in torch's shared memory (``share_memory_()``, file_descriptor strategy) sends
+  its fd with the message (no resource-sharer thread): shared both ways, as with torch's
+  own channels.  One shared by name (torch's file_system strategy) is copied.
+* Any other CPU storage is copied once into a recycled segment or slab, or pickled inline
+  under the inline threshold, as numpy's arrays are.
 * A tensor crosses as its storage plus offset, shape, strides, dtype and ``requires_grad``,
   so views of one storage in one message arrive as views of one storage (the pickle memo
   sends the storage once).  A small view of a much larger storage that is not shared is
-  compacted: only its elements are copied.  Conjugate and negative views are resolved.
+  compacted (only its elements are copied), as numpy's views are, unless that storage is
+  already in the message.  Conjugate and negative views are resolved.
 * Everything else (CUDA and meta tensors, sparse, nested and quantized ones) goes to torch's
   own reducer; the parts of a sparse or nested tensor that are CPU tensors come back here.
   A subclass of ``torch.Tensor`` other than ``Parameter`` is pickled by torch's
@@ -34,7 +38,9 @@ import threading
 
 from . import _registry
 
-_counts = dict.fromkeys(("torch_storages_shared", "torch_storages_copied",
+# debug_info() counters: storages sent as a handle to a segment, as torch's shared-memory
+# fd, copied into a segment, inline; storages received; collate batches made in segments
+_counts = dict.fromkeys(("torch_storages_shared", "torch_storages_fd", "torch_storages_copied",
                          "torch_storages_inline", "torch_storages_received",
                          "torch_batches_in_segments"), 0)
 _counts_lock = threading.Lock()
@@ -72,8 +78,19 @@ def reduce_storage(storage):
     return _storage_out(storage)
 
 
+def _storages_sent() -> set[int]:
+    """ids of the storages already in the message being pickled (the message keeps them)."""
+    from . import _wire
+    memo = _wire.message_memo()
+    sent = memo.get(_storages_sent)
+    if sent is None:
+        sent = memo[_storages_sent] = set()
+    return sent
+
+
 def _storage_out(storage):
-    from . import _reductions, _segments, _strategy, _wire
+    from . import _segments, _strategy, _wire
+    _storages_sent().add(id(storage))
     nbytes = storage.nbytes()
     ptr = storage.data_ptr()
     if nbytes:
@@ -82,6 +99,11 @@ def _storage_out(storage):
                 and (seg.kind != _segments.FD or seg.fd is not None)):
             _bump("torch_storages_shared")
             return _rebuild_storage, (seg, ptr - seg.address, nbytes)
+        fd = _torch_shared_fd(storage)
+        if fd is not None:  # torch shared memory (share_memory_()): its fd, in the message
+            _wire.keep_alive(storage)  # which keeps the fd open until sent
+            _bump("torch_storages_fd")
+            return _rebuild_storage_fd, (_wire.attach_fd(fd), nbytes)
     src = _bytes_of(storage)
     if nbytes < _strategy.get_inline_threshold():
         _bump("torch_storages_inline")
@@ -91,6 +113,18 @@ def _storage_out(storage):
     anchor[offset:offset + nbytes] = src
     _bump("torch_storages_copied")
     return _rebuild_storage, (_segments.segment_of(anchor), offset, nbytes)
+
+
+def _torch_shared_fd(storage) -> int | None:
+    """The fd of a storage in torch's shared memory (file_descriptor strategy), else None.
+    (One shared by name, torch's file_system strategy, is copied: its name is torch's
+    shared-memory manager's to keep.)"""
+    if not storage.is_shared():
+        return None
+    try:
+        return storage._get_shared_fd()
+    except (RuntimeError, AttributeError):
+        return None
 
 
 def _bytes_of(storage):
@@ -130,7 +164,9 @@ def reduce_tensor(t):
     storage = t.untyped_storage()
     item = t.element_size()
     span = _extent(t) * item
-    if storage.nbytes() > max(2 * span, _inline_threshold()) and not _is_shared(storage):
+    sent = _storages_sent()
+    if (id(storage) not in sent and storage.nbytes() > max(2 * span, _inline_threshold())
+            and not _is_shared(storage)):
         return _compact(t, span)
     return _rebuild_tensor, (type(t), storage, t.storage_offset(), tuple(t.shape),
                              t.stride(), t.dtype, t.requires_grad)
@@ -149,8 +185,10 @@ def _inline_threshold() -> int:
 
 
 def _is_shared(storage) -> bool:
+    """Whether the storage crosses without a copy: on a segment, or torch's by fd."""
     from . import _segments
-    return storage.nbytes() > 0 and _segments.segment_at(storage.data_ptr()) is not None
+    return storage.nbytes() > 0 and (_segments.segment_at(storage.data_ptr()) is not None
+                                     or _torch_shared_fd(storage) is not None)
 
 
 def _compact(t, nbytes: int):
@@ -158,7 +196,7 @@ def _compact(t, nbytes: int):
     into a storage of their own (over a segment, or inline when small)."""
     torch = _torch()
     if nbytes < _inline_threshold():
-        c = t.detach().contiguous()
+        c = t.detach().clone(memory_format=torch.contiguous_format)
     else:
         from . import _wire
         anchor, offset = _room(nbytes)
@@ -176,6 +214,14 @@ def _rebuild_storage(anchor, offset: int, nbytes: int):
     """A storage over ``nbytes`` of a segment's anchor: its life keeps the anchor's."""
     _bump("torch_storages_received")
     return _torch().from_numpy(anchor[offset:offset + nbytes]).untyped_storage()
+
+
+def _rebuild_storage_fd(data_i: int, nbytes: int):
+    """A storage in torch shared memory, mapped from the fd that came with the message
+    (torch duplicates it; the message's copy is closed after loading)."""
+    from . import _wire
+    _bump("torch_storages_received")
+    return _torch().UntypedStorage._new_shared_fd_cpu(_wire.received_fd(data_i), nbytes)
 
 
 def _rebuild_storage_inline(data: bytes):
