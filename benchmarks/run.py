@@ -2,7 +2,8 @@
 
 Usage: ``scripts/bench [--quick] [--out DIR]``.  Runs, in order: the core table (queues of
 stdlib, shmtensor, torch, SharedMemory, joblib; :mod:`benchmarks.bench_core`), the inline
-threshold sweep, small arrays at scale, ``Pool.map`` of 1 GB of arrays, a 4-worker data loader, the CLI's
+threshold sweep, small arrays at scale, ``Pool.map`` of 1 GB of arrays, a 4-worker data loader,
+torch's DataLoader with default collate (torch's context against shmtensor's), the CLI's
 overhead, and, where CuPy sees a GPU, the CUDA relay and 1 GiB re-send
 (:mod:`benchmarks.bench_cuda`).  Prints every table with its targets' verdicts, writes ``DIR/results.json`` and,
 with matplotlib, ``DIR/plot.png`` (the core table).
@@ -30,7 +31,7 @@ import psutil
 import shmtensor as st
 
 from . import (_report, bench_cli, bench_core, bench_cuda, bench_loader, bench_pool,
-               bench_scale, bench_threshold)
+               bench_scale, bench_threshold, bench_torch_loader)
 from ._report import Section
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,6 +109,7 @@ def section_plan(settings: bench_core.Settings, quick: bool,
         ("scale", partial(bench_scale.run, quick)),
         ("pool_map", partial(bench_pool.run, 1 if quick else 3, have_joblib)),
         ("loader", partial(bench_loader.run, quick)),
+        ("torch_loader", partial(bench_torch_loader.run, quick)),
         ("cli", partial(bench_cli.run, 3 if quick else 5)),
         ("cuda", bench_cuda.run),
     ]

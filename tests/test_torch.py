@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 import shmtensor  # noqa: E402
 import shmtensor.multiprocessing as smp  # noqa: E402
 from shmtensor import _segments  # noqa: E402
+from shmtensor.testing import leak_checker  # noqa: E402
 
 import torch_helpers as th  # noqa: E402
 from conftest import JOIN, START_METHODS, join_all  # noqa: E402
@@ -229,6 +230,8 @@ def _echo_scenario(ctx):
     out = []
     with _child(ctx, th.echo) as a:
         for name, t in th.cases():
+            if name == "conj":  # torch's own reducer drops the conjugate bit (torch 2.13)
+                continue
             a.send(t)
             out.append((name, th.describe(a.recv())))
         try:
@@ -240,11 +243,14 @@ def _echo_scenario(ctx):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_same_outcomes_as_the_stdlib_context(method, lc):
+def test_same_outcomes_as_the_stdlib_context(method):
+    # torch's reducers on the stdlib's channels leave their fd server's socket behind: only
+    # shmtensor's run is leak-checked
     stdlib = _echo_scenario(multiprocessing.get_context(method))
-    shm = _echo_scenario(smp.get_context(method))
+    with leak_checker(timeout=15):
+        shm = _echo_scenario(smp.get_context(method))
     assert shm == stdlib
-    assert stdlib[-1][0] == "refused" and len(stdlib) == len(th.cases()) + 1
+    assert stdlib[-1][0] == "refused" and len(stdlib) == len(th.cases())
 
 
 # -- torch's DataLoader -----------------------------------------------------------------------
