@@ -4,11 +4,12 @@ Usage: ``scripts/bench [--quick] [--out DIR]``.  Runs, in order: the core table 
 stdlib, shmtensor, torch, SharedMemory, joblib; :mod:`benchmarks.bench_core`), the inline
 threshold sweep, small arrays at scale, ``Pool.map`` of 1 GB of arrays (beside Ray, mpire,
 loky, joblib and the compute floor), an 8-producer fan-in, a 4-worker data loader (beside
-torch's and grain's), the CLI's overhead, where CuPy sees a GPU, the CUDA relay and 1 GiB
-re-send (:mod:`benchmarks.bench_cuda`), and, where Ray is installed, a 64 MB actor -> task
--> actor round trip against plain Ray (:mod:`benchmarks.bench_ray`).  Prints every table
-with its targets' verdicts, writes ``DIR/results.json`` and, with matplotlib,
-``DIR/plot.png`` (the core table) and ``DIR/pool_map.png``.
+torch's and grain's), torch's DataLoader with default collate (torch's context against
+shmtensor's), the CLI's overhead, where CuPy sees a GPU, the CUDA relay and 1 GiB re-send
+(:mod:`benchmarks.bench_cuda`), and, where Ray is installed, a 64 MB actor -> task -> actor
+round trip against plain Ray (:mod:`benchmarks.bench_ray`).  Prints every table with its
+targets' verdicts, writes ``DIR/results.json`` and, with matplotlib, ``DIR/plot.png`` (the
+core table) and ``DIR/pool_map.png``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import psutil
 import shmtensor as st
 
 from . import (_report, bench_cli, bench_core, bench_cuda, bench_fanin, bench_loader,
-               bench_pool, bench_ray, bench_scale, bench_threshold)
+               bench_pool, bench_ray, bench_scale, bench_threshold, bench_torch_loader)
 from ._report import Section
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,6 +124,7 @@ def section_plan(settings: bench_core.Settings, quick: bool,
         ("pool_map", partial(bench_pool.run, 1 if quick else 3, have_joblib)),
         ("fanin", partial(bench_fanin.run, quick)),
         ("loader", partial(bench_loader.run, quick)),
+        ("torch_loader", partial(bench_torch_loader.run, quick)),
         ("cli", partial(bench_cli.run, 3 if quick else 5)),
         ("cuda", bench_cuda.run),
         ("ray", partial(bench_ray.run, quick)),

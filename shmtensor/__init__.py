@@ -17,6 +17,7 @@ from shmtensor.ipc.posix_shm import ShmSpaceError
 
 from . import _registry, _stats
 from . import cuda as _cuda  # noqa: F401 (registers CuPy's reducers, for when CuPy is imported)
+from . import _torch  # noqa: F401 (registers torch's reducers, for when torch is imported)
 from ._strategy import (get_all_sharing_strategies, get_inline_threshold,
                         get_sharing_strategy, set_inline_threshold, set_sharing_strategy)
 

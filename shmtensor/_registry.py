@@ -51,6 +51,9 @@ def register_lazy(module: str, install: Callable[[], None]) -> None:
     """Call ``install()`` (which registers reducers) once ``module`` has been imported by
     someone: at once if it is imported already, else before the channels next pickle."""
     global version
+    if sys.modules.get(module) is not None:  # imported already: install now
+        install()
+        return
     with _lock:
         _lazy.setdefault(module, []).append(install)
         version += 1

@@ -36,6 +36,7 @@ lease table.)
 from __future__ import annotations
 
 import atexit
+import bisect
 import os
 import queue
 import threading
@@ -111,6 +112,7 @@ class Segment:
                 if self.alive():
                     return
                 _by_buffer.pop(id(self.mm.buffer), None)
+                _unindex(self)
                 self.mm.close()
                 self.mm = None
             if self.file is not None:  # one of several segments of one file
@@ -160,6 +162,8 @@ def file_of(key: str) -> tuple[str, int]:
 _lock = threading.RLock()  # everything below; re-entrant: a GC pass may run a finalizer here
 _by_key: dict[str, Segment] = {}
 _by_buffer: dict[int, Segment] = {}  # id(mapping buffer) -> segment: ends every base chain
+_starts: list[int] = []  # mapping addresses of the mapped segments, sorted: segment_at
+_by_start: dict[int, Segment] = {}
 _kept_fds = 0  # received memfds kept (to forward without a copy); bounded by kept_budget
 
 # The receive cache: attached segments with no live anchor, oldest first.
@@ -266,6 +270,29 @@ def segment_of(a) -> Segment | None:
         else:
             return _by_buffer.get(id(b))
     return None
+
+
+def segment_at(address: int) -> Segment | None:
+    """The mapped segment whose memory holds ``address``, or None: for memory known only
+    by its address (a torch storage made over a view of a segment)."""
+    with _lock:
+        i = bisect.bisect_right(_starts, address) - 1
+        seg = _by_start[_starts[i]] if i >= 0 else None
+    return seg if seg is not None and address < seg.address + seg.size else None
+
+
+def _index(seg: Segment) -> None:
+    with _lock:
+        if seg.address not in _by_start:
+            bisect.insort(_starts, seg.address)
+        _by_start[seg.address] = seg
+
+
+def _unindex(seg: Segment) -> None:
+    with _lock:
+        if _by_start.get(seg.address) is seg:
+            del _by_start[seg.address]
+            del _starts[bisect.bisect_left(_starts, seg.address)]
 
 
 # --- own segments ----------------------------------------------------------------------
@@ -543,6 +570,7 @@ def new_segment(key, kind, size, table_id, slot, own, fd, populate=False) -> Seg
     seg.mm = posix_shm.map_fd(fd, size, populate, file_of(key)[1])
     seg.address = seg.mm.address
     _by_buffer[id(seg.mm.buffer)] = seg
+    _index(seg)
     if _sweeper is None:  # settles what dies while anything is mapped (see _sweep)
         _ensure_sweeper()
     return seg

@@ -14,7 +14,7 @@ import multiprocessing.context as _mpctx
 import sys
 from multiprocessing import reduction
 
-from .. import _reductions, _strategy
+from .. import _reductions, _registry, _strategy
 from .._connection import Pipe as _Pipe
 from .. import _queues
 
@@ -62,6 +62,12 @@ class _ShmProcess:
             self._target, self._args, self._kwargs = target, args, kwargs
             _strategy.set_sharing_strategy(strategy)
             _strategy.set_inline_threshold(threshold)
+
+    def _bootstrap(self, *args, **kwargs):
+        # In the child, before the target runs: adapters of libraries imported by now (torch,
+        # while unpickling a DataLoader worker) are installed before the first batch is made
+        _registry.install_pending()
+        return super()._bootstrap(*args, **kwargs)
 
     def start(self) -> None:
         # A concurrent.futures worker: its executor's call queue, not yet used, becomes
