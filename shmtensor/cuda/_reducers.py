@@ -26,7 +26,9 @@ def reduce_cupy_array(arr):
 
 
 def register() -> None:
-    cp = _device.cupy()
+    """Register CuPy's types (CuPy is imported already: no driver call is made here, so
+    importing shmtensor after CuPy leaves CUDA uninitialised and forking safe)."""
+    import cupy as cp
     _registry.register(cp.ndarray, reduce_cupy_array, _vmm.lane_dumps)
     _registry.register(cp.cuda.Event, _events.reduce_event)
 
