@@ -495,3 +495,20 @@ def test_importing_shmtensor_does_not_initialise_cuda():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60).stdout.split()
     assert int(out[0]) >= 1 and out[1] == "False" and out[2] == "False"
+
+
+def test_importing_shmtensor_after_cupy_does_not_initialise_cuda():
+    """CuPy's reducers register at once when CuPy came first, without a driver call: a
+    parent that then forks workers stays fork-safe, and the arrays still cross."""
+    import subprocess
+    import sys
+    code = ("import cupy, sys\n"
+            "import shmtensor, shmtensor.multiprocessing as smp\n"
+            "from shmtensor.ipc import cuda_ipc\n"
+            "print(cuda_ipc.cuda_initialized())\n"
+            "q = smp.get_context('spawn').SimpleQueue()\n"
+            "q.put(cupy.arange(3)); print(int(q.get().sum()))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "3"]
