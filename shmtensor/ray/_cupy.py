@@ -8,7 +8,10 @@ that until no receiver holds the export's lease slot (see :mod:`._exports`).
 
 A receiver on the same host opens the handle once per process (a second open of one
 handle in one process fails) and holds the slot while any array on it lives; the last
-one's death waits for the device, closes the handle and releases the slot.  Elsewhere, or
+one's death enqueues the release (shmtensor.cuda's releaser: once the device work is done
+the slot is released and the handle closed).  A received array sent on names its
+exporter's handle and slot (CUDA will not export an imported handle), so its return to
+the exporter is the exporter's own memory.  Elsewhere, or
 when the GPU is not visible to the receiver, the agent of the sender's node copies the
 data to the host and it is copied onto the receiver's current device.  Memory CUDA IPC
 cannot export (``shmtensor.cuda.malloc``'s VMM slabs, managed memory) is sent by value,
@@ -22,6 +25,7 @@ import threading
 from functools import partial
 from typing import NamedTuple
 
+from shmtensor.cuda import _device, _release
 from shmtensor.ipc import cuda_ipc, ofd_lease, posix_shm
 
 from . import _agent, _exports, _host
@@ -80,6 +84,10 @@ def deserialize(payload):
 def export(arr):
     import ray
     cp = _cupy()
+    mem = arr.data.mem
+    owner = getattr(mem, "_owner", None) if isinstance(mem, cp.cuda.UnownedMemory) else None
+    if isinstance(owner, _Use):  # a received array sent on: its exporter's handle and slot
+        return _forward(ray, cp, arr, owner)
     device = arr.device.id
     with cp.cuda.Device(device):
         base, size = cuda_ipc.address_range(arr.data.ptr)
@@ -104,28 +112,58 @@ def export(arr):
     return ("s", h, pin)
 
 
+def _forward(ray, cp, arr, owner: "_Use"):
+    """Send on an array received from another process: CUDA refuses to export an imported
+    handle, so the message names the exporter's handle and slot, and this process's new
+    description of the exporter's lease (kept while Ray references the pin)."""
+    h = owner.h
+    with cp.cuda.Device(arr.device.id):
+        cp.cuda.get_current_stream().synchronize()  # receivers read finished data
+    with _lock:
+        base = _opened[h.ipc_handle][0]
+    lease = ofd_lease.inflight_fd(h.table_id, [h.slot])
+    try:
+        pin = _exports.new_pin()
+    except BaseException:
+        os.close(lease)
+        raise
+    _exports.add(pin, _exports.Export([lease], arr.data.mem))
+    fwd = h._replace(host=_host.host_id(), node_id=ray.get_runtime_context().get_node_id(),
+                     pid=os.getpid(), lease_fd=lease, offset=arr.data.ptr - base,
+                     shape=arr.shape, strides=arr.strides, dtype=arr.dtype.str)
+    return ("s", fwd, pin)
+
+
 class _Use:
-    """One received array's hold on an opened handle and on the export's lease slot."""
+    """One received array's hold on an opened handle and on the export's lease slot.  Its
+    death only enqueues the release (``shmtensor.cuda._release``: after this process's
+    work on the device is done, then the handle is closed by :func:`_closed_one`)."""
 
     def __init__(self, h: CudaHandle, device: int) -> None:
-        self.table_id, self.slot, self.handle, self.device = h.table_id, h.slot, \
-            h.ipc_handle, device
+        self.h, self.device = h, device
 
     def __del__(self) -> None:
-        try:
-            cp = _cupy()
-            with cp.cuda.Device(self.device):
-                cp.cuda.runtime.deviceSynchronize()  # our work on the memory is done
-                with _lock:
-                    entry = _opened.get(self.handle)
-                    if entry is not None:
-                        entry[1] -= 1
-                        if entry[1] == 0:
-                            del _opened[self.handle]
-                            cp.cuda.runtime.ipcCloseMemHandle(entry[0])
-        except Exception:  # shutting down: the driver and the kernel let go with the process
-            pass
-        ofd_lease.release(self.table_id, self.slot)
+        _release.enqueue(self.device, self.h.table_id, self.h.slot,
+                         partial(_closed_one, self.h.ipc_handle, self.device))
+
+
+def _closed_one(handle: bytes, device: int) -> None:
+    """A use of ``handle`` was released (from a drain, not a finalizer): close the handle
+    with the last one."""
+    with _lock:
+        entry = _opened.get(handle)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del _opened[handle]
+    try:
+        cp = _cupy()
+        with cp.cuda.Device(device):
+            cp.cuda.runtime.ipcCloseMemHandle(entry[0])
+    except Exception:  # shutting down: the driver lets go with the process
+        pass
 
 
 def _local_device(cp, bus_id: str) -> int:
@@ -136,9 +174,11 @@ def _local_device(cp, bus_id: str) -> int:
 
 
 def attach(h: CudaHandle):
-    cp = _cupy()
+    cp = _device.cupy()  # the fork error first; the releases below need it imported
+    _release.poll()
+    _release.ensure_releaser()
     device = _local_device(cp, h.bus_id)
-    keep = _own.get((h.table_id, h.slot)) if h.pid == os.getpid() else None
+    keep = _own.get((h.table_id, h.slot))  # only this process's exports are there
     with cp.cuda.Device(device):
         if keep is not None:  # back in the process that exported it: its own memory
             mem = cp.cuda.UnownedMemory(keep[1], h.size, keep, device)
