@@ -24,6 +24,7 @@ from shmtensor.testing import leak_checker  # noqa: E402
 
 import torch_helpers as th  # noqa: E402
 from conftest import JOIN, START_METHODS, join_all  # noqa: E402
+from test_arrays import roundtrip  # noqa: E402
 
 METHODS = [m for m in START_METHODS if m in ("fork", "spawn")]
 
@@ -71,19 +72,9 @@ def _child(ctx, target):
 
 # -- in one process ---------------------------------------------------------------------------
 
-def _roundtrip(obj):
-    a, b = smp.Pipe()
-    try:
-        a.send(obj)
-        return b.recv()
-    finally:
-        a.close()
-        b.close()
-
-
 def test_every_case_round_trips_in_process(strategy):
     cases = th.cases()
-    got = _roundtrip([t for _, t in cases])
+    got = roundtrip([t for _, t in cases])
     for (name, want), t in zip(cases, got):
         _check_same(t, want, name, alone=False)
         if want.numel() * want.element_size() >= shmtensor.get_inline_threshold():
@@ -93,7 +84,7 @@ def test_every_case_round_trips_in_process(strategy):
 def test_plain_pickle_and_forking_pickler_keep_torch_reducers():
     t = torch.arange(10.0)
     assert torch.equal(pickle.loads(pickle.dumps(t)), t)
-    _roundtrip(t)  # the registry is installed by now
+    roundtrip(t)  # the registry is installed by now
     from torch.multiprocessing.reductions import reduce_tensor
     assert ForkingPickler._extra_reducers[torch.Tensor] is reduce_tensor
 
@@ -108,7 +99,7 @@ def test_non_leaf_requiring_grad_is_refused_as_torch_refuses():
 def test_tensor_and_numpy_array_on_one_segment_arrive_on_one_memory():
     arr = shmtensor.zeros(100_000, np.float32)
     t = torch.from_numpy(arr)
-    got_t, got_arr = _roundtrip([t[10:], arr])
+    got_t, got_arr = roundtrip([t[10:], arr])
     assert got_t.data_ptr() == got_arr.ctypes.data + 40 == t.data_ptr() + 40
 
 

@@ -26,7 +26,7 @@ import threading
 
 import numpy as np
 
-from . import _exports, _host, _numpy
+from . import _exports, _numpy
 from ._host import SenderGone, host_id
 
 __all__ = ["init", "register", "runtime_env", "Pool", "host_id", "SenderGone",

@@ -71,14 +71,6 @@ def serialize(arr):
     return ("p", arr.__reduce_ex__(5))
 
 
-def deserialize(payload):
-    if payload[0] == "p":
-        red = payload[1]
-        obj = red[0](*red[1])
-        if len(red) > 2 and red[2] is not None:
-            obj.__setstate__(red[2])
-        return obj
-    return rebuild(payload[1])
 
 
 def export(arr):
@@ -219,3 +211,6 @@ def read_for_agent(h: CudaHandle):
 
 def _forget_own(table_id: str, slot: int) -> None:
     _own.pop((table_id, slot), None)
+
+
+deserialize = _exports.deserializer(rebuild)  # Ray's deserializer: by value, or rebuild()

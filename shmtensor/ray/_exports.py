@@ -329,3 +329,17 @@ def wait_released(timeout: float) -> bool:
             return False
         time.sleep(POLL_MIN)
     return True
+
+
+def deserializer(rebuild):
+    """Ray's deserializer for a payload of :func:`by_value` or ``("s", handle, pin)``:
+    ``rebuild(handle)`` for the second."""
+    def deserialize(payload):
+        if payload[0] == "p":
+            red = payload[1]
+            obj = red[0](*red[1])
+            if len(red) > 2 and red[2] is not None:
+                obj.__setstate__(red[2])
+            return obj
+        return rebuild(payload[1])
+    return deserialize

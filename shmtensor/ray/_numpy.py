@@ -90,14 +90,6 @@ def serialize(a: np.ndarray):
     return ("p", _plain(a))
 
 
-def deserialize(payload):
-    if payload[0] == "p":
-        red = payload[1]
-        obj = red[0](*red[1])
-        if len(red) > 2 and red[2] is not None:
-            obj.__setstate__(red[2])
-        return obj
-    return rebuild(payload[1])
 
 
 def export(a: np.ndarray, seg) -> tuple | None:
@@ -193,3 +185,6 @@ def rebuild(h: Handle) -> np.ndarray:
 def read_for_agent(h: Handle):
     """The handle's data, for the agent to send by value."""
     return np.ascontiguousarray(attach(h))
+
+
+deserialize = _exports.deserializer(rebuild)  # Ray's deserializer: by value, or rebuild()
