@@ -214,10 +214,11 @@ def test_dataloader_persistent_workers(method, dl, lc):
 def test_dataloader_worker_crash(method, how, dl, lc):
     # torch words it as whichever of its checks sees the death first (its SIGCHLD handler
     # or the status poll): either is the stdlib's behaviour
-    # numpy batches: with torch's default collate a batch of torch tensors from a worker
-    # killed right after sending cannot be rebuilt (torch's fd sharing needs the sender
-    # alive), and shmtensor's put sends sooner than the stdlib's feeder, so that race is
-    # more often lost (EOFError): a known limit until torch tensors cross in-band
+    # numpy batches, so that both sides of the comparison are deterministic: under the
+    # stdlib's context a batch of torch tensors from a worker killed right after sending
+    # may not be rebuilt (torch's fd sharing needs the sender alive: EOFError).  Under
+    # shmtensor's, torch tensors cross in-band; tests/test_torch.py checks the same crash
+    # with tensor batches and default collate.
     died = r"DataLoader worker \(pid(\(s\))? N\) (exited unexpectedly|is killed by signal)"
     stdlib, shm = _both(method, lambda ctx: _batches(
         _loader(ctx, dl.DiesAt(9, how), collate_fn=dl.numpy_collate)))
