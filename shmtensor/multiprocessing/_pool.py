@@ -97,19 +97,19 @@ def _watch_loop(pool_ref: "weakref.ref[Pool]", inqueue) -> None:
         # recorded at creation: skip those not started yet
         workers = [w for w in _workers.get(inqueue, ()) if w._popen is not None]
         del pool  # wait without keeping the pool alive
-        alive = [w.sentinel for w in workers if w.exitcode is None]
+        alive = [w.sentinel for w in workers if _exit_code(w) is None]
         try:
-            if alive:
-                wait(alive, timeout=0.2)
-            else:
+            if alive and wait(alive, timeout=0.2):
+                time.sleep(0.02)  # an exit: let the pool's own thread read its code
+            elif not alive:
                 time.sleep(0.05)
-        except (OSError, ValueError):  # a sentinel closed under us: poll exit codes instead
+        except (OSError, ValueError):  # a sentinel closed under us: look at exit codes
             time.sleep(0.05)
         pool = pool_ref()
         if pool is None:
             return
         for w in workers:
-            code = w.exitcode
+            code = _exit_code(w)
             if code is None or id(w) in handled:
                 continue
             handled.add(id(w))
@@ -123,6 +123,14 @@ def _watch_loop(pool_ref: "weakref.ref[Pool]", inqueue) -> None:
             live[:] = [w for w in live if id(w) not in handled]
             handled = set()
         del pool
+
+
+def _exit_code(w) -> int | None:
+    """``w``'s exit code once the pool's own thread has read it (``_join_exited_workers``
+    polls every worker ~10 times a second), without polling here: two threads polling one
+    forkserver child race for the single status its sentinel carries, and the loser
+    records exit code 255 over the real one (``popen_forkserver.Popen.poll``)."""
+    return w._popen.returncode
 
 
 def _quit_early(pool: "Pool") -> bool:
