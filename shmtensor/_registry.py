@@ -81,11 +81,6 @@ def install_pending() -> None:
         fn()
 
 
-def pending_modules() -> tuple[str, ...]:
-    """Modules whose installers wait for them to be imported."""
-    return tuple(_lazy)
-
-
 def tables() -> tuple[dict, dict]:
     """Copies of the reducers and the lanes, for a pickler's dispatch table."""
     with _lock:

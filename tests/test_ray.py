@@ -75,14 +75,6 @@ def cluster():
         poll(clean, f"/dev/shm still has {sorted(shm_names() - before)} after Ray shut down")
 
 
-@pytest.fixture(params=sorted(shmtensor.get_all_sharing_strategies()))
-def strategy(request):
-    prev = shmtensor.get_sharing_strategy()
-    shmtensor.set_sharing_strategy(request.param)
-    yield request.param
-    shmtensor.set_sharing_strategy(prev)
-
-
 @ray.remote
 def add_one(a):
     a += 1

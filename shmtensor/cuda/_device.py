@@ -56,12 +56,3 @@ def bus_id(cp, device: int) -> str:
     if found is None:
         found = _bus_ids[device] = cp.cuda.runtime.deviceGetPCIBusId(device)
     return found
-
-
-def current_stream(cp, device: int) -> int:
-    """The pointer of this thread's current stream on ``device``."""
-    try:
-        return cp.cuda.get_current_stream(device).ptr
-    except TypeError:  # a CuPy without the device argument
-        with cp.cuda.Device(device):
-            return cp.cuda.get_current_stream().ptr
