@@ -266,3 +266,32 @@ def report_mapped(queue, out, event):
     out.put((sum(int(a.sum()) for a in arrays), shmtensor.debug_info()["cuda_vmm_mapped"]))
     event.wait(60)
     del arrays
+
+
+def send_distinct_rounds(queue, event, count, rounds):
+    """Keep ``count`` arrays of CuPy's pool (one allocation, one handle each) and send them
+    all, ``rounds`` times over."""
+    cupy = cp()
+    arrays = [cupy.full((5,), i, cupy.float32) for i in range(count)]
+    for _ in range(rounds):
+        for a in arrays:
+            queue.put(a)
+    event.wait()
+
+
+def send_fresh_then_report(queue, out, event, count):
+    """Make and send ``count`` small arrays of CuPy's pool one by one (keeping them); once
+    ``event`` is set, drop them and report how many chunks are still kept for others."""
+    import shmtensor.cuda
+    cupy = cp()
+    kept = []
+    for i in range(count):
+        kept.append(cupy.full((5,), i, cupy.float32))
+        queue.put(kept[-1])
+    event.wait()
+    del kept
+    deadline = time.monotonic() + 30
+    while shmtensor.cuda.exports() and time.monotonic() < deadline:
+        shmtensor.cuda.ipc_collect()
+        time.sleep(0.05)
+    out.put(len(shmtensor.cuda.exports()))

@@ -3,6 +3,7 @@
 import os
 import pickle
 import signal
+import threading
 import time
 
 import numpy as np
@@ -100,6 +101,51 @@ def test_cuda_send_many(cp, ctx, lc, mode, count=10_000):
     for e in (e1, e2, e3):
         e.set()
     join_all(p1, p2, p3)
+
+
+def test_ipc_evicted_mappings_are_closed_off_thread_and_taken_back(cp, ctx, lc, monkeypatch):
+    """More handles than the idle limit: evicted mappings go to the closer thread, a handle
+    met again is taken back from it or opened anew once closed, and every value is right."""
+    from shmtensor.cuda import _ipc
+    monkeypatch.setattr(_ipc, "MAPPED_IDLE_LIMIT", 8)
+    monkeypatch.setattr(_ipc._mappings, "evict_at", 8)
+    count, rounds = 40, 3
+    q, e = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=ch.send_distinct_rounds, args=(q, e, count, rounds))
+    p.start()
+    try:
+        for _ in range(rounds):
+            for i in range(count):
+                b = q.get(timeout=JOIN)
+                assert float(b[0]) == i and float(b[4]) == i
+                del b
+        assert any(t.name == "shmtensor-cuda-close" for t in threading.enumerate())
+        assert shmtensor.cuda.ipc_collect() >= 0
+        assert shmtensor.debug_info()["cuda_opened"] == 0  # collect waited for the closer
+    finally:
+        e.set()
+        join_all(p)
+
+
+def test_ipc_small_arrays_of_cupys_pool_share_one_handle_and_come_back(cp, ctx, lc):
+    """CuPy's pool makes each small array its own allocation unless it has a larger free
+    chunk: after the first export one is left there, so the next arrays share one handle
+    (the receiver opens it once); each keeps a lease of its own, so all return at the end."""
+    count = 300
+    q, out, e = ctx.Queue(), ctx.SimpleQueue(), ctx.Event()
+    p = ctx.Process(target=ch.send_fresh_then_report, args=(q, out, e, count))
+    p.start()
+    try:
+        got = [q.get(timeout=JOIN) for _ in range(count)]
+        assert [float(b[3]) for b in got] == list(range(count))
+        assert shmtensor.debug_info()["cuda_opened"] <= 3
+        del got
+        shmtensor.cuda.ipc_collect()  # release now, not after the releaser's pause
+        e.set()
+        assert out.get() == 0
+    finally:
+        e.set()
+        join_all(p)
 
 
 @pytest.mark.skipif(shmtensor.cuda.device_count() < 2, reason="needs two GPUs")

@@ -1,26 +1,34 @@
 """CuPy arrays from any allocator, across processes by legacy CUDA IPC handles.
 
-Producer: an array's allocation base (``cuMemGetAddressRange``; CuPy's pool sub-allocates)
-is *exported* once: an IPC handle, a lease slot in this process's lease table, and
-references that keep the memory out of CuPy's pool while any process holds the slot or a
-message naming it is unsent.  Each send records a ring event (:mod:`._events`) and carries
-an in-flight lock on the slot.  Exports nobody holds are dropped as sends go (the oldest
-``PROBE`` looked at per send), so CuPy's pool gets their memory back and hands the same
-allocations out again: their handles are ones the consumers have open already.
+Producer: an array's allocation (``cuMemGetAddressRange``; CuPy's pool carves many arrays
+from one) is *exported* once, an IPC handle; each chunk sent (``arr.data.mem``) gets a
+*lease*: a slot in this process's lease table, and a reference that keeps the chunk out of
+CuPy's pool while any process holds the slot or a message naming it is unsent.  Each send
+records a ring event (:mod:`._events`) and carries an in-flight lock on the slot.  Leases
+nobody holds are dropped as sends go (the oldest ``PROBE`` looked at per send), so the pool
+gets each chunk back on its own; an export with no lease left is remembered, and an
+allocation sent again keeps its handle, one the consumers have open already.  CuPy's pool
+gives each small array an allocation of its own unless it holds a larger free chunk, so
+after exporting a new small allocation the producer leaves one ``ARENA`` chunk free there:
+the next small arrays share its handle (one open per consumer instead of one per array).
 
 Consumer: opens each handle once and keeps it open (up to ``MAPPED_IDLE_LIMIT`` idle ones,
-least recently used closed first), holds the slot while any array built on it lives, and
-on the last one's death enqueues the release (:mod:`._release`).  Consumers that die
+least recently used closed first, by a closer thread that does not hold the GIL meanwhile),
+holds each chunk's slot while any array built on that chunk lives, and on the last one's
+death enqueues the release (:mod:`._release`).  Consumers that die
 release by dying (OFD locks).  A received array forwarded to a third process re-sends the
 original handle and slot, so the producer keeps the memory until the third process lets go.
 
 Locks: ``_Exports.lock`` and ``_Mappings.lock`` are never held together; ``_Mappings.lock``
-is held while the lease table's lock is taken (a hold), never the other way round.
+is held while the lease table's lock is taken (a hold), never the other way round.  The
+closer thread holds ``_Mappings.lock`` only to take its batch and to say it is done, never
+across a driver call.
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -31,47 +39,60 @@ from .. import _wire
 from . import _device, _events, _release
 
 _IPC_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
-PROBE = 2  # exports looked at per send, oldest first, to give back those nobody holds
+PROBE = 2  # leases looked at per send, oldest first, to give back those nobody holds
 MAPPED_IDLE_LIMIT = 1024  # idle open mappings kept per process (closing costs ~90 us)
-RETIRED_LIMIT = 4096  # dropped exports remembered for reuse (each keeps a lease slot)
+CLOSE_WAIT_S = 10.0  # how long collect() waits for the closer thread
+RETIRED_LIMIT = 4096  # exports with no lease left, remembered for reuse
+ARENA = 2 << 20  # the free chunk left in CuPy's pool after a small allocation is exported
 
 
 class _Token:
-    """Kept by every unsent message naming an export (a weak reference tells it is alive)."""
+    """Kept by every unsent message naming a lease (a weak reference tells it is alive)."""
 
     __slots__ = ("__weakref__",)
 
 
 class _Export:
-    __slots__ = ("slot", "handle", "base", "size", "device", "bus_id", "refs", "token",
-                 "buffer")
+    """One allocation exported: its IPC handle, kept while any chunk of it is leased (and
+    remembered after, by base, for as long as the driver's buffer id says it is the same
+    allocation)."""
+
+    __slots__ = ("handle", "base", "size", "device", "bus_id", "buffer", "leases")
 
     def __init__(self, cp, device: int, base: int, size: int) -> None:
         self.device, self.base, self.size = device, base, size
         self.buffer = cuda_ipc.buffer_id(base)
         self.handle = bytes(cp.cuda.runtime.ipcGetMemHandle(base))
         self.bus_id = _device.bus_id(cp, device)
-        self.slot = ofd_lease.own_table().new_slot()
-        self.refs: dict[int, object] = {}
-        self.token = None  # weakref to the _Token of unsent messages, or None
+        self.leases = 0  # live leases on chunks of it
+
+
+class _Lease:
+    """One chunk of an export that was sent (CuPy's pool carves many arrays from one
+    allocation): its own lease slot, and its memory, kept out of the pool until nobody
+    holds the slot and no message naming it is unsent."""
+
+    __slots__ = ("slot", "export", "mem", "token", "key")
 
     def unsent(self) -> bool:
         return self.token is not None and self.token() is not None
 
 
 class _Exports:
-    """Owner of this process's exports: by (device, base), with each device's bases sorted
-    for finding the allocation of an inner pointer; insertion order is age."""
+    """Owner of this process's exports (by (device, base), each device's bases sorted, for
+    finding the allocation of an inner pointer) and of their chunks' leases (by (device,
+    chunk pointer), oldest first, and by slot)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.by_base: dict[tuple[int, int], _Export] = {}
         self.bases: dict[int, list[int]] = {}  # device -> sorted bases
+        self.leases: dict[tuple[int, int], _Lease] = {}  # insertion order is age
+        self.by_slot: dict[int, _Lease] = {}
         self.next_sweep = 64
-        # Dropped exports, by (device, base), oldest first: CuPy's pool hands the same
-        # allocations out again, and one exported anew (same driver buffer id) keeps its
-        # handle and slot, so its consumers find their mapping open and no driver call is
-        # made for the handle.
+        # Exports with no lease left, by (device, base), oldest first: CuPy's pool hands the
+        # same allocations out again, and one sent anew (same driver buffer id) keeps its
+        # handle, so its consumers find their mapping open and no driver call is made for it.
         self.retired: "OrderedDict[tuple[int, int], _Export]" = OrderedDict()
 
     def find(self, device: int, ptr: int) -> _Export | None:
@@ -91,30 +112,44 @@ class _Exports:
         self.by_base[(ex.device, ex.base)] = ex
         bisect.insort(self.bases.setdefault(ex.device, []), ex.base)
 
-    def drop(self, ex: _Export) -> None:
-        key = (ex.device, ex.base)
-        del self.by_base[key]
-        bases = self.bases[ex.device]
-        del bases[bisect.bisect_left(bases, ex.base)]
-        ex.refs = {}  # CuPy's pool may hand the memory out again
-        ex.token = None
-        self.retired[key] = ex
-        if len(self.retired) > RETIRED_LIMIT:
-            self.retired.popitem(last=False)
+    def lease(self, ex: _Export, key: tuple[int, int], mem) -> _Lease:
+        lease = _Lease()
+        lease.slot, lease.export, lease.mem, lease.token, lease.key = (
+            ofd_lease.own_table().new_slot(), ex, mem, None, key)
+        self.leases[key] = lease
+        self.by_slot[lease.slot] = lease
+        ex.leases += 1
+        return lease
+
+    def drop(self, lease: _Lease) -> None:
+        """Give the chunk back to CuPy's pool; retire its export if it was the last."""
+        del self.leases[lease.key]
+        del self.by_slot[lease.slot]
+        lease.mem = lease.token = None
+        ex = lease.export
+        ex.leases -= 1
+        if ex.leases == 0:
+            key = (ex.device, ex.base)
+            del self.by_base[key]
+            bases = self.bases[ex.device]
+            del bases[bisect.bisect_left(bases, ex.base)]
+            self.retired[key] = ex
+            if len(self.retired) > RETIRED_LIMIT:
+                self.retired.popitem(last=False)
 
     def sweep(self, table, probe: int | None) -> int:
-        """Drop exports nobody holds: the ``probe`` oldest (moving held ones to the back),
-        or every one (``probe`` None).  Caller holds ``lock``."""
+        """Drop leases nobody holds: the ``probe`` oldest (moving held ones to the back), or
+        every one (``probe`` None).  Caller holds ``lock``."""
         dropped = 0
-        items = list(self.by_base.values()) if probe is None else [
-            ex for _, ex in zip(range(probe), self.by_base.values())]
-        for ex in items:
-            if not ex.unsent() and not table.is_held(ex.slot):
-                self.drop(ex)
+        leases = self.leases
+        items = list(leases.values()) if probe is None else [
+            lease for _, lease in zip(range(probe), leases.values())]
+        for lease in items:
+            if not lease.unsent() and not table.is_held(lease.slot):
+                self.drop(lease)
                 dropped += 1
             elif probe is not None:  # still held: to the back of the line
-                key = (ex.device, ex.base)
-                self.by_base[key] = self.by_base.pop(key)
+                leases[lease.key] = leases.pop(lease.key)
         return dropped
 
 
@@ -125,28 +160,80 @@ class _Mapping:
     """An IPC handle opened in this process.  It stays open while idle (a later message
     for the same allocation needs no new open) until evicted or :func:`collect`."""
 
-    __slots__ = ("ptr", "device", "handle", "bus_id", "size", "table_id", "slot", "use",
+    __slots__ = ("ptr", "device", "handle", "bus_id", "size", "uses", "prune_at",
                  "__weakref__")
+
+    def idle(self) -> bool:
+        """True when no array built on it lives (forgets the uses that died); caller holds
+        the mappings' lock."""
+        uses = self.uses
+        if uses:
+            for k in [k for k, r in uses.items() if r() is None]:
+                del uses[k]
+            self.prune_at = max(16, 2 * len(uses))
+        return not uses
 
 
 class _Use:
-    """Owner of the arrays built on a mapping: its death releases the lease (never the
-    mapping) once this process's work on the device is done."""
+    """Owner of the arrays built on one leased chunk of a mapping: its death releases the
+    lease (never the mapping) once this process's work on the device is done."""
 
-    __slots__ = ("mapping", "__weakref__")
+    __slots__ = ("mapping", "table_id", "slot", "__weakref__")
 
 
 class _Mappings:
     """Owner of the handles this process opened: handle -> mapping, least recently used
-    first."""
+    first, and of the evicted ones until the closer thread has closed them."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # closing filled, or busy emptied
         self.open: "OrderedDict[bytes, _Mapping]" = OrderedDict()
         self.evict_at = MAPPED_IDLE_LIMIT  # open mappings at which a receive evicts
+        # Evicted, to be closed by the closer thread; a receive of the same handle before
+        # then takes its mapping back.  ``busy``: being closed now (a receive of the same
+        # handle waits, as the driver maps a handle once per context).
+        self.closing: dict[bytes, _Mapping] = {}
+        self.busy: set[bytes] = set()
+        self.closer = False  # the closer thread started (under lock)
+
+    def mapped(self) -> int:
+        return len(self.open) + len(self.closing) + len(self.busy)
 
 
 _mappings = _Mappings()
+
+
+def _closer(ms: _Mappings) -> None:
+    """Close evicted mappings.  ``cuIpcCloseMemHandle`` takes ~90 us, and CuPy's wrapper
+    keeps the GIL through it: here, through ctypes, the receiving thread goes on meanwhile."""
+    current = None
+    while ms is _mappings:
+        with ms.changed:
+            while not ms.closing:
+                ms.changed.wait()
+            batch = list(ms.closing.items())
+            ms.closing.clear()
+            ms.busy.update(h for h, _ in batch)
+        for _, m in batch:
+            try:
+                if m.device != current:
+                    cuda_ipc.use_primary_context(m.device)
+                    current = m.device
+                cuda_ipc.close_mem_handle(m.ptr)
+            except Exception:  # shutting down: the driver closes it with the process
+                current = None
+        with ms.changed:
+            ms.busy.difference_update(h for h, _ in batch)
+            ms.changed.notify_all()
+
+
+def _after_fork_in_child() -> None:
+    global _mappings
+    _mappings = _Mappings()  # the parent's mappings are no use here (CUDA does not fork)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class UseRef(weakref.ref):
@@ -160,17 +247,21 @@ def _use_died(r: UseRef) -> None:
     _release.enqueue(*r.args)  # a finalizer: enqueues, takes no lock
 
 
-def _use_of(m: _Mapping, lease_fd: int, deferred: list) -> _Use:
-    """The use of ``m`` (made and holding the lease if none is alive); caller holds the
-    mappings' lock."""
-    use = m.use() if m.use is not None else None
+def _use_of(m: _Mapping, table_id: str, slot: int, lease_fd: int, deferred: list) -> _Use:
+    """The use of chunk ``slot`` of ``m`` (made and holding the lease if none is alive);
+    caller holds the mappings' lock."""
+    key = (table_id, slot)
+    r = m.uses.get(key)
+    use = r() if r is not None else None
     if use is None:
-        ofd_lease.hold(m.table_id, m.slot, lease_fd, deferred)
+        ofd_lease.hold(table_id, slot, lease_fd, deferred)
         use = _Use()
-        use.mapping = m
+        use.mapping, use.table_id, use.slot = m, table_id, slot
         r = UseRef(use, _use_died)
-        r.args = (m.device, m.table_id, m.slot)
-        m.use = r
+        r.args = (m.device, table_id, slot)
+        if len(m.uses) >= m.prune_at:
+            m.idle()
+        m.uses[key] = r
     return use
 
 
@@ -188,69 +279,94 @@ def _reduce_array(cp, arr, mem, owner):
     if isinstance(owner, _Use):  # forwarding what we received: same handle, same slot
         m = owner.mapping
         ev = _events.order(cp, m.device)
-        table_id, slot = m.table_id, m.slot
+        table_id, slot = owner.table_id, owner.slot
         handle, bus_id, size, base = m.handle, m.bus_id, m.size, m.ptr
         _wire.keep_alive(mem)
     else:
-        ex = export(cp, arr)
+        lease = export(cp, arr)
+        ex = lease.export
         ev = _events.order(cp, ex.device)
-        table_id, slot = ofd_lease.own_table().id, ex.slot
+        table_id, slot = ofd_lease.own_table().id, lease.slot
         handle, bus_id, size, base = ex.handle, ex.bus_id, ex.size, ex.base
     lock_i = _wire.inflight_index(table_id, slot)
     return _rebuild_cupy_array, (handle, bus_id, size, arr.data.ptr - base, arr.shape,
                                  arr.strides, arr.dtype.str, table_id, slot, lock_i, ev)
 
 
-def export(cp, arr) -> _Export:
-    """The export of ``arr``'s allocation, made if needed; keeps ``arr``'s memory alive
-    until the message being pickled is sent and nobody holds the export's slot."""
+def export(cp, arr) -> _Lease:
+    """The lease of ``arr``'s chunk (and the export of its allocation), made if needed;
+    keeps the chunk alive until the message being pickled is sent and nobody holds the
+    lease's slot."""
     device = arr.device.id
-    ptr = arr.data.ptr
+    mem = arr.data.mem
+    key = (device, mem.ptr)
     x = _exports
     table = ofd_lease.own_table()
     with x.lock:
-        ex = live = x.find(device, ptr)
-        if live is not None:
-            token = _attach(live, arr.data.mem)
-        elif x.retired:
-            ex = x.retired.pop((device, ptr), None)  # exported before, at this base
-    if live is None:
-        # driver calls, outside the lock: the same allocation still (a freed and remade one
-        # has a new buffer id) keeps its handle and slot, else a new export
-        if ex is None or cuda_ipc.buffer_id(ptr) != ex.buffer:
-            base, size = cuda_ipc.address_range(ptr)
+        lease = x.leases.get(key)
+        if lease is None:
+            ex = x.find(device, key[1])
+            if ex is not None:
+                lease = x.lease(ex, key, mem)
+        token = _attach(lease) if lease is not None else None
+    if lease is None:
+        # driver calls, outside the lock: an allocation sent before and still the same (a
+        # freed and remade one has a new buffer id) keeps its handle, else a new export
+        base, size = cuda_ipc.address_range(key[1])
+        with x.lock:
+            ex = x.retired.pop((device, base), None)
+        fresh = ex is None or ex.size != size or cuda_ipc.buffer_id(base) != ex.buffer
+        if fresh:
             ex = _Export(cp, device, base, size)
         with x.lock:
-            found = x.by_base.get((device, ex.base))
+            found = x.find(device, key[1])
             if found is None:
-                if len(x.by_base) >= x.next_sweep:  # amortised: all, when exports doubled
+                if len(x.leases) >= x.next_sweep:  # amortised: all, when leases doubled
                     x.sweep(table, None)
-                    x.next_sweep = max(64, 2 * len(x.by_base))
+                    x.next_sweep = max(64, 2 * len(x.leases))
                 x.add(ex)
             else:
                 ex = found
-            token = _attach(ex, arr.data.mem)
+            lease = x.leases.get(key) or x.lease(ex, key, mem)
+            token = _attach(lease)
+        if fresh and size < ARENA:
+            _seed(mem)
     _wire.keep_alive(token)
     with x.lock:  # give back the oldest that nobody holds (this one is unsent: kept)
         x.sweep(table, PROBE)
-    return ex
+    return lease
 
 
-def _attach(ex: _Export, mem) -> _Token:
-    """Keep ``mem`` with ``ex``; the token the message must keep (caller holds the lock)."""
-    ex.refs[id(mem)] = mem
-    token = ex.token() if ex.token is not None else None
+def _seed(mem) -> None:
+    """After a small allocation of CuPy's pool was exported: leave an ``ARENA`` chunk free in
+    that pool (if it has less free), so that the next small arrays are carved from one
+    allocation, whose handle each receiver opens once, instead of each being a new
+    ``cudaMalloc`` whose handle every receiver must open (45-65 us) and later close."""
+    pool = getattr(mem, "pool", None)
+    pool = pool() if pool is not None else None
+    if pool is None:
+        return
+    try:
+        if pool.free_bytes() < ARENA:
+            pool.malloc(ARENA).mem.free()  # back to the pool's free list at once
+    except Exception:  # out of memory, or a CuPy without these: no harm, no seed
+        pass
+
+
+def _attach(lease: _Lease) -> _Token:
+    """The token the message must keep (caller holds the lock)."""
+    token = lease.token() if lease.token is not None else None
     if token is None:
         token = _Token()
-        ex.token = weakref.ref(token)
+        lease.token = weakref.ref(token)
     return token
 
 
-def own_export(table_id: str, slot: int) -> _Export | None:
-    if not _exports.by_base or ofd_lease.own_table().id != table_id:
+def own_lease(table_id: str, slot: int) -> _Lease | None:
+    if not _exports.by_slot or ofd_lease.own_table().id != table_id:
         return None
     with _exports.lock:
-        return next((ex for ex in _exports.by_base.values() if ex.slot == slot), None)
+        return _exports.by_slot.get(slot)
 
 
 def _rebuild_cupy_array(handle, bus_id, size, offset, shape, strides, dtype, table_id, slot,
@@ -259,26 +375,32 @@ def _rebuild_cupy_array(handle, bus_id, size, offset, shape, strides, dtype, tab
     _release.poll()
     lease_fd, deferred = _wire.received_lease(table_id, slot, lock_i)
     device = _device.local_device(cp, bus_id)
-    ex = own_export(table_id, slot)
-    if ex is not None:  # back in the process that exported it: its own memory, no IPC
-        mem = cp.cuda.UnownedMemory(ex.base, ex.size, ex, ex.device)
+    lease = own_lease(table_id, slot)
+    if lease is not None and lease.mem is not None:
+        # back in the process that exported it: its own memory, no IPC (the chunk's
+        # memory object is the owner, so the pool cannot take it back under this array)
+        ex = lease.export
+        mem = cp.cuda.UnownedMemory(ex.base, ex.size, lease.mem, ex.device)
         return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
     _release.ensure_releaser()
     ms = _mappings
     with cp.cuda.Device(device):
         with ms.lock:
             m = ms.open.get(handle)
-            if m is None or (m.table_id, m.slot) != (table_id, slot):
-                if m is not None and (m.use is None or m.use() is None):
-                    m.table_id, m.slot = table_id, slot  # exported anew: same memory
-                elif m is None:
-                    m = _Mapping()
-                    m.ptr = cp.cuda.runtime.ipcOpenMemHandle(handle, _IPC_LAZY_PEER)
-                    m.device, m.handle, m.bus_id, m.size = device, handle, bus_id, size
-                    m.table_id, m.slot, m.use = table_id, slot, None
+            if m is None and ms.closing:
+                m = ms.closing.pop(handle, None)  # evicted, not closed yet: taken back
+                if m is not None:
                     ms.open[handle] = m
+            if m is None:
+                while handle in ms.busy:  # being closed: the driver maps it once
+                    ms.changed.wait()
+                m = _Mapping()
+                m.ptr = cp.cuda.runtime.ipcOpenMemHandle(handle, _IPC_LAZY_PEER)
+                m.device, m.handle, m.bus_id, m.size = device, handle, bus_id, size
+                m.uses, m.prune_at = {}, 16
+                ms.open[handle] = m
             ms.open.move_to_end(handle)
-            use = _use_of(m, lease_fd, deferred)
+            use = _use_of(m, table_id, slot, lease_fd, deferred)
             mem = cp.cuda.UnownedMemory(m.ptr, size, use, device)
             crowded = len(ms.open) > ms.evict_at
         if crowded:
@@ -295,52 +417,62 @@ def rebuild_empty(shape, dtype, bus_id):
 
 
 def evict(keep: int) -> int:
-    """Close idle mappings, least recently used first, until ``keep`` mappings are left
-    (or only mappings in use).  A receive that finds more than ``MAPPED_IDLE_LIMIT`` evicts
-    down to 3/4 of it, so the walk is paid once per quarter of the limit, not per receive."""
+    """Hand idle mappings, least recently used first, to the closer thread until ``keep``
+    mappings are left (or only mappings in use).  A receive that finds more than
+    ``MAPPED_IDLE_LIMIT`` evicts down to 3/4 of it, so the walk is paid once per quarter of
+    the limit, not per receive."""
     ms = _mappings
-    gone = []
+    gone = 0
     with ms.lock:
         excess = len(ms.open) - keep
         for h, m in list(ms.open.items()):
             if excess <= 0:
                 break
-            if m.use is None or m.use() is None:
-                gone.append(ms.open.pop(h))
+            if m.idle():
+                ms.closing[h] = ms.open.pop(h)
                 excess -= 1
+                gone += 1
         # mappings in use cannot go: look again once a quarter of the limit more is open
         ms.evict_at = max(MAPPED_IDLE_LIMIT, len(ms.open) + MAPPED_IDLE_LIMIT // 4)
-    cp = _device._cp
-    for m in gone:
-        try:
-            with cp.cuda.Device(m.device):
-                cp.cuda.runtime.ipcCloseMemHandle(m.ptr)
-        except Exception:  # shutting down: the driver closes it with the process
-            pass
-    return len(gone)
+        if gone:
+            if not ms.closer:
+                threading.Thread(target=_closer, args=(ms,), daemon=True,
+                                 name="shmtensor-cuda-close").start()
+                ms.closer = True
+            ms.changed.notify_all()
+    return gone
+
+
+def _wait_closed(timeout: float) -> bool:
+    """Wait until the closer has closed every evicted mapping; False on timeout."""
+    ms = _mappings
+    with ms.changed:
+        return ms.changed.wait_for(lambda: not ms.closing and not ms.busy, timeout)
 
 
 def collect() -> int:
-    """Drop exports nobody holds any more (their memory returns to CuPy's pool) and close
-    the idle mappings of other processes' memory.  Returns the exports dropped."""
+    """Drop leases nobody holds any more (their memory returns to CuPy's pool) and close
+    the idle mappings of other processes' memory.  Returns the leases dropped."""
     if _mappings.open:
         evict(0)
+    if _mappings.closing or _mappings.busy:
+        _wait_closed(CLOSE_WAIT_S)
     with _exports.lock:
-        return _exports.sweep(ofd_lease.own_table(), None) if _exports.by_base else 0
+        return _exports.sweep(ofd_lease.own_table(), None) if _exports.leases else 0
 
 
 def exports() -> list[dict]:
-    """The exports this process keeps for other processes (for leak checks and debugging)."""
-    table = ofd_lease.own_table() if _exports.by_base else None
+    """The chunks this process keeps for other processes (for leak checks and debugging)."""
+    table = ofd_lease.own_table() if _exports.leases else None
     with _exports.lock:
-        return [{"kind": "ipc", "device": ex.device, "base": ex.base, "size": ex.size,
-                 "slot": ex.slot, "held": table.is_held(ex.slot)}
-                for ex in _exports.by_base.values()]
+        return [{"kind": "ipc", "device": lease.export.device, "base": lease.key[1],
+                 "size": lease.mem.size, "slot": lease.slot, "held": table.is_held(lease.slot)}
+                for lease in _exports.leases.values()]
 
 
 def stats() -> dict[str, int]:
     with _exports.lock:
-        out = {"cuda_exports": len(_exports.by_base),
+        out = {"cuda_exports": len(_exports.leases),
                "cuda_bytes_exported": sum(e.size for e in _exports.by_base.values())}
-    out["cuda_opened"] = len(_mappings.open)
+    out["cuda_opened"] = _mappings.mapped()
     return out
