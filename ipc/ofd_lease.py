@@ -46,7 +46,7 @@ from .scm_rights import close_fds
 
 __all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "hold_sole",
            "lock_shared",
-           "establish", "release", "inflight_fd", "kept_budget", "probe_held",
+           "establish", "release", "inflight_fd", "sendable", "kept_budget", "probe_held",
            "forget_idle", "own_fds", "table_count", "before_fork", "after_fork_in_parent",
            "after_fork_in_child"]
 
@@ -205,12 +205,42 @@ def hold(table_id: str, slot: int, fd_source: int | None = None,
             n = h.counts.get(slot, 0)
             if n == 0:
                 if deferred is None or fd_source is None:
-                    _setlk(fd, fcntl.F_RDLCK, slot)
-                    h.by[slot] = -1
+                    h.by[slot] = _own_sole(fd, slot) if fd_source is None else -1
+                    if h.by[slot] < 0:
+                        _setlk(fd, fcntl.F_RDLCK, slot)
                 else:
                     deferred.append(entry)
             h.counts[slot] = n + 1
             return
+
+
+def _own_sole(source: int, slot: int) -> int:
+    """A description of its own holding ``slot`` alone, for a hold this process makes
+    without a message (its own segments), or -1 past the budget or the fd limit.  Each
+    message carrying the slot then travels with this description (see :func:`sendable`)
+    instead of a new in-flight one: no open, lock and close per message."""
+    global _kept
+    budget = _budget[0] if _budget else kept_budget()
+    with _kept_lock:
+        if _kept >= budget:
+            return -1
+        _kept += 1
+    try:
+        return _locked_copy(source, (slot,))
+    except OSError:  # out of fds: a lock through ``source`` does as well
+        with _kept_lock:
+            _kept -= 1
+        return -1
+
+
+def sendable(table_id: str, slot: int) -> int:
+    """This process's description that holds ``slot`` of ``table_id`` alone (a kept
+    in-flight description, or one made for an own hold), or -1.  Sent with a message, it
+    is that message's in-flight lock: the kernel keeps the description, and so the lock,
+    while any fd of it is open anywhere, in flight included.  The caller keeps the slot
+    held until the message is sent (its anchors or uses), so the fd stays open."""
+    h = _holdings.get(table_id)
+    return h.by.get(slot, -1) if h is not None else -1
 
 
 _kept = 0  # in-flight descriptions kept as holds, in all tables (under _kept_lock)

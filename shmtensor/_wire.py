@@ -23,7 +23,8 @@ class SendContext:
     """What one outgoing message needs besides its bytes: fds to attach and refs to keep.
 
     In-flight lock descriptions are made by :meth:`wire_fds`, right before the send, so a
-    message waiting in a queue's buffer costs no fd (its anchors keep the holds meanwhile).
+    message waiting in a queue's buffer costs no fd (its anchors keep the holds meanwhile);
+    a slot this process holds by a description of its own travels with that one.
     """
 
     __slots__ = ("fds", "owned", "keep", "inflight", "memo", "__weakref__")
@@ -40,8 +41,10 @@ class SendContext:
         table file (see ``ofd_lease.SHARDS``)."""
         for (table_id, _), (i, slots) in self.inflight.items():
             if self.fds[i] < 0:
-                fd = ofd_lease.inflight_fd(table_id, slots)
-                self.owned.append(fd)
+                fd = ofd_lease.sendable(table_id, slots[0]) if len(set(slots)) == 1 else -1
+                if fd < 0:
+                    fd = ofd_lease.inflight_fd(table_id, slots)
+                    self.owned.append(fd)
                 self.fds[i] = fd
         return self.fds
 
@@ -72,8 +75,11 @@ class LaneContext(SendContext):
     def wire_fds(self) -> list[int]:
         fds = self.fds
         if fds[-1] < 0:
-            fds[-1] = ofd_lease.inflight_fd(self.table_id, (self.slot,))
-            self.owned.append(fds[-1])
+            fd = ofd_lease.sendable(self.table_id, self.slot)
+            if fd < 0:
+                fd = ofd_lease.inflight_fd(self.table_id, (self.slot,))
+                self.owned.append(fd)
+            fds[-1] = fd
         return fds
 
 

@@ -40,13 +40,15 @@ def _holding(seg):
 
 
 def test_a_sole_slot_is_held_by_the_kept_inflight_description():
+    kept_before = ofd_lease._kept
     a = shmtensor.zeros(OWN)
     seg = _segments.segment_of(a)
     table = ofd_lease.own_table()
-    kept_before = ofd_lease._kept
+    own = _holding(seg).by[seg.slot]
+    assert own >= 0 and ofd_lease._kept == kept_before + 1  # the creator's own description
     box = [a]
     del a
-    b = _send_to_self(box)
+    b = _send_to_self(box)  # the creator's hold is gone before the receipt
     assert _holding(seg).by[seg.slot] >= 0  # the message's description, kept
     assert ofd_lease._kept == kept_before + 1
     assert table.is_held(seg.slot)
@@ -56,6 +58,37 @@ def test_a_sole_slot_is_held_by_the_kept_inflight_description():
     assert seg.slot not in _holding(seg).by
     assert ofd_lease._kept == kept_before
     assert not table.is_held(seg.slot)
+
+
+def test_an_own_hold_travels_with_every_message_without_a_new_description(monkeypatch):
+    """A slot held by a description of its own is sent with that description: no open,
+    lock and close per message; the lock outlives the creator's hold while in flight."""
+    a = shmtensor.zeros(OWN)
+    seg = _segments.segment_of(a)
+    table = ofd_lease.own_table()
+    made = []
+    real = ofd_lease._reopen
+    monkeypatch.setattr(ofd_lease, "_reopen", lambda fd: made.append(fd) or real(fd))
+    r, w = smp.Pipe(duplex=False)
+    try:
+        for _ in range(5):
+            w.send(a)
+        got = [r.recv() for _ in range(5)]
+        assert made == [] and all(g.ctypes.data == a.ctypes.data for g in got)
+        del got
+        w.send(a)  # in flight, covered by the creator's description only
+        del a
+        gc.collect()  # the creator's hold (its copy of that description) is closed
+        assert seg.slot not in _holding(seg).by
+        assert table.is_held(seg.slot)  # the message's copy still locks it
+        b = r.recv()
+        assert table.is_held(seg.slot) and float(b.sum()) == 0
+        del b
+        gc.collect()
+        assert not table.is_held(seg.slot)
+    finally:
+        r.close()
+        w.close()
 
 
 def _two_in_one_file():
