@@ -40,6 +40,7 @@ def _install_cupy() -> None:
 
 
 _vmm_lane_loads = None
+_ipc_lane_loads = None
 
 
 def _lane_loads(data, fds):
@@ -50,6 +51,14 @@ def _lane_loads(data, fds):
     return _vmm_lane_loads(data, fds)
 
 
+def _ipc_lane(data, fds):
+    """A legacy IPC lane message: ``_ipc.lane_loads``, imported by the first one."""
+    global _ipc_lane_loads
+    if _ipc_lane_loads is None:
+        from ._ipc import lane_loads as _ipc_lane_loads
+    return _ipc_lane_loads(data, fds)
+
+
 def _stats() -> dict:
     from . import _reducers  # no CuPy import: counters of empty tables until it is used
     return _reducers.stats()
@@ -57,6 +66,7 @@ def _stats() -> dict:
 
 _registry.register_lazy("cupy", _install_cupy)
 _registry.register_lane_kind(b"\0V", _lane_loads)  # _vmm.LANE
+_registry.register_lane_kind(b"\0I", _ipc_lane)  # _ipc.LANE
 _registry.register_stats(_stats)
 
 

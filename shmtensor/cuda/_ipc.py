@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import bisect
 import os
+import pickle
 import threading
 import weakref
 from collections import OrderedDict
 
 from shmtensor.ipc import cuda_ipc, ofd_lease
+from shmtensor.ipc.scm_rights import close_fds
 
 from .. import _wire
 from . import _device, _events, _release
@@ -247,14 +249,14 @@ def _use_died(r: UseRef) -> None:
     _release.enqueue(*r.args)  # a finalizer: enqueues, takes no lock
 
 
-def _use_of(m: _Mapping, table_id: str, slot: int, lease_fd: int, deferred: list) -> _Use:
-    """The use of chunk ``slot`` of ``m`` (made and holding the lease if none is alive);
-    caller holds the mappings' lock."""
+def _use_of(m: _Mapping, table_id: str, slot: int, take) -> _Use:
+    """The use of chunk ``slot`` of ``m``, made if none is alive and then holding the lease
+    by ``take()``; caller holds the mappings' lock."""
     key = (table_id, slot)
     r = m.uses.get(key)
     use = r() if r is not None else None
     if use is None:
-        ofd_lease.hold(table_id, slot, lease_fd, deferred)
+        take()
         use = _Use()
         use.mapping, use.table_id, use.slot = m, table_id, slot
         r = UseRef(use, _use_died)
@@ -297,7 +299,13 @@ def export(cp, arr) -> _Lease:
     """The lease of ``arr``'s chunk (and the export of its allocation), made if needed;
     keeps the chunk alive until the message being pickled is sent and nobody holds the
     lease's slot."""
-    device = arr.device.id
+    lease, token = _export(cp, arr, arr.device.id)
+    _wire.keep_alive(token)
+    return lease
+
+
+def _export(cp, arr, device: int) -> tuple[_Lease, _Token]:
+    """:func:`export`, returning the token the message must keep until it is sent."""
     mem = arr.data.mem
     key = (device, mem.ptr)
     x = _exports
@@ -331,10 +339,9 @@ def export(cp, arr) -> _Lease:
             token = _attach(lease)
         if fresh and size < ARENA:
             _seed(mem)
-    _wire.keep_alive(token)
     with x.lock:  # give back the oldest that nobody holds (this one is unsent: kept)
         x.sweep(table, PROBE)
-    return lease
+    return lease, token
 
 
 def _seed(mem) -> None:
@@ -375,39 +382,128 @@ def _rebuild_cupy_array(handle, bus_id, size, offset, shape, strides, dtype, tab
     _release.poll()
     lease_fd, deferred = _wire.received_lease(table_id, slot, lock_i)
     device = _device.local_device(cp, bus_id)
-    lease = own_lease(table_id, slot)
-    if lease is not None and lease.mem is not None:
-        # back in the process that exported it: its own memory, no IPC (the chunk's
-        # memory object is the owner, so the pool cannot take it back under this array)
-        ex = lease.export
-        mem = cp.cuda.UnownedMemory(ex.base, ex.size, lease.mem, ex.device)
-        return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
-    _release.ensure_releaser()
-    ms = _mappings
-    with cp.cuda.Device(device):
-        with ms.lock:
-            m = ms.open.get(handle)
-            if m is None and ms.closing:
-                m = ms.closing.pop(handle, None)  # evicted, not closed yet: taken back
-                if m is not None:
-                    ms.open[handle] = m
-            if m is None:
-                while handle in ms.busy:  # being closed: the driver maps it once
-                    ms.changed.wait()
-                m = _Mapping()
-                m.ptr = cp.cuda.runtime.ipcOpenMemHandle(handle, _IPC_LAZY_PEER)
-                m.device, m.handle, m.bus_id, m.size = device, handle, bus_id, size
-                m.uses, m.prune_at = {}, 16
-                ms.open[handle] = m
-            ms.open.move_to_end(handle)
-            use = _use_of(m, table_id, slot, lease_fd, deferred)
-            mem = cp.cuda.UnownedMemory(m.ptr, size, use, device)
-            crowded = len(ms.open) > ms.evict_at
-        if crowded:
-            evict(MAPPED_IDLE_LIMIT * 3 // 4)
+    home = _home(cp, table_id, slot, offset, shape, dtype, strides)
+    if home is not None:
+        return home
+
+    def take():
+        ofd_lease.hold(table_id, slot, lease_fd, deferred)
+
+    if cp.cuda.runtime.getDevice() == device:
+        mem = _mapped(cp, device, handle, bus_id, size, table_id, slot, take)
         if event_handle is not None:
             _events.wait(cp, event_handle)
+    else:
+        with cp.cuda.Device(device):
+            mem = _mapped(cp, device, handle, bus_id, size, table_id, slot, take)
+            if event_handle is not None:
+                _events.wait(cp, event_handle)
+    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
+
+
+def _home(cp, table_id: str, slot: int, offset: int, shape, dtype, strides):
+    """The array of a message that came back to the process that exported its chunk (its
+    own memory, no IPC), or None.  The chunk's memory object is the owner, so CuPy's pool
+    cannot take it back under this array."""
+    lease = own_lease(table_id, slot)
+    mem = lease.mem if lease is not None else None
+    if mem is None:
+        return None
+    ex = lease.export
+    mem = cp.cuda.UnownedMemory(ex.base, ex.size, mem, ex.device)
+    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
+
+
+def _mapped(cp, device: int, handle: bytes, bus_id: str, size: int, table_id: str,
+            slot: int, take):
+    """Memory over the mapping of ``handle`` (opened, or taken back from the closer), owned
+    by the use of its chunk ``slot`` (made, and holding the lease by ``take()``, if none is
+    alive); ``device`` is current."""
+    _release.ensure_releaser()
+    ms = _mappings
+    with ms.lock:
+        m = ms.open.get(handle)
+        if m is None and ms.closing:
+            m = ms.closing.pop(handle, None)  # evicted, not closed yet: taken back
+            if m is not None:
+                ms.open[handle] = m
+        if m is None:
+            while handle in ms.busy:  # being closed: the driver maps it once
+                ms.changed.wait()
+            m = _Mapping()
+            m.ptr = cp.cuda.runtime.ipcOpenMemHandle(handle, _IPC_LAZY_PEER)
+            m.device, m.handle, m.bus_id, m.size = device, handle, bus_id, size
+            m.uses, m.prune_at = {}, 16
+            ms.open[handle] = m
+        ms.open.move_to_end(handle)
+        use = _use_of(m, table_id, slot, take)
+        mem = cp.cuda.UnownedMemory(m.ptr, size, use, device)
+        crowded = len(ms.open) > ms.evict_at
+    if crowded:
+        evict(MAPPED_IDLE_LIMIT * 3 // 4)
+    return mem
+
+
+# A message that is one array on legacy IPC, sent without a pickler: LANE and a plain
+# pickle of its fields, and one fd, the in-flight description of its chunk's lease (which
+# the receiver keeps as its hold).  An empty array, or one on another device than the
+# current one, takes the general path above.
+LANE = b"\0I"
+
+
+def lane_dumps(cp, arr, mem, owner):
+    """``arr`` alone as a message ``(payload, LaneContext)``, or None."""
+    device = arr.device.id
+    if arr.size == 0 or cp.cuda.runtime.getDevice() != device:
+        return None
+    if isinstance(owner, _Use):  # forwarding what we received: same handle, same slot
+        m = owner.mapping
+        handle, bus_id, size, base = m.handle, m.bus_id, m.size, m.ptr
+        table_id, slot, keep = owner.table_id, owner.slot, mem
+    else:
+        lease, keep = _export(cp, arr, device)
+        ex = lease.export
+        handle, bus_id, size, base = ex.handle, ex.bus_id, ex.size, ex.base
+        table_id, slot = ofd_lease.own_table().id, lease.slot
+    ev = _events.order_now(cp, device, cp.cuda.get_current_stream())
+    shape = arr.shape
+    strides = None if arr._c_contiguous and 1 not in shape else arr.strides
+    fields = (handle, bus_id, size, arr.data.ptr - base, shape, strides, arr.dtype.str,
+              table_id, slot, ev)
+    return (LANE + pickle.dumps(fields, pickle.HIGHEST_PROTOCOL),
+            _wire.LaneContext(keep, None, table_id, slot))
+
+
+def lane_loads(data, fds: list[int]):
+    """The array of a :func:`lane_dumps` message; closes every fd it does not keep."""
+    try:
+        (handle, bus_id, size, offset, shape, strides, dtype, table_id, slot,
+         event_handle) = pickle.loads(memoryview(data)[len(LANE):])
+        if len(fds) != 1:
+            raise pickle.UnpicklingError(f"a CUDA IPC array came with {len(fds)} fds, not 1")
+        cp = _device.cupy()
+        _release.poll()
+        device = _device.local_device(cp, bus_id)
+        home = _home(cp, table_id, slot, offset, shape, dtype, strides)
+        if home is not None:
+            return home
+
+        def take():
+            if ofd_lease.hold_sole(table_id, slot, fds[0]):
+                fds[0] = -1  # the message's description is the hold now
+
+        if cp.cuda.runtime.getDevice() == device:
+            mem = _mapped(cp, device, handle, bus_id, size, table_id, slot, take)
+            if event_handle is not None:
+                _events.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
+        else:
+            with cp.cuda.Device(device):
+                mem = _mapped(cp, device, handle, bus_id, size, table_id, slot, take)
+                if event_handle is not None:
+                    _events.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
         return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
+    finally:
+        close_fds(fds)
 
 
 def rebuild_empty(shape, dtype, bus_id):

@@ -2,8 +2,8 @@
 
 :func:`register` runs once CuPy has been imported (``shmtensor.cuda`` registers it lazily
 with :mod:`shmtensor._registry`): arrays on shared device memory (:mod:`._vmm`) cross by
-their slab's fd, others by legacy CUDA IPC (:mod:`._ipc`); a message that is one VMM array
-takes the VMM lane; interprocess events cross by handle (:mod:`._events`).
+their slab's fd, others by legacy CUDA IPC (:mod:`._ipc`); a message that is one array
+takes its kind's lane (no pickler); interprocess events cross by handle (:mod:`._events`).
 """
 
 from __future__ import annotations
@@ -25,11 +25,23 @@ def reduce_cupy_array(arr):
     return _ipc.reduce_array(cp, arr, mem, owner)
 
 
+def lane_dumps(arr):
+    """A message that is ``arr`` alone, without a pickler: by the VMM lane or the legacy
+    IPC lane (None: the general path, which also raises what is wrong)."""
+    cp = _device.cupy()  # the fork error, before any driver call
+    mem = arr.data.mem
+    owner = getattr(mem, "_owner", None) if isinstance(mem, cp.cuda.UnownedMemory) else None
+    if isinstance(owner, _vmm.SHARED_OWNERS):
+        return _vmm.lane_dumps(arr)
+    _release.poll()
+    return _ipc.lane_dumps(cp, arr, mem, owner)
+
+
 def register() -> None:
     """Register CuPy's types (CuPy is imported already: no driver call is made here, so
     importing shmtensor after CuPy leaves CUDA uninitialised and forking safe)."""
     import cupy as cp
-    _registry.register(cp.ndarray, reduce_cupy_array, _vmm.lane_dumps)
+    _registry.register(cp.ndarray, reduce_cupy_array, lane_dumps)
     _registry.register(cp.cuda.Event, _events.reduce_event)
 
 
