@@ -5,6 +5,7 @@ import errno
 import fcntl
 import gc
 import os
+import time
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import shmtensor.multiprocessing as smp
 from shmtensor.ipc import ofd_lease
 from shmtensor import _reductions, _segments
 
-from conftest import JOIN
+from conftest import JOIN, join_all
 
 
 # Arrays past SLAB_ITEM_MAX have a segment of their own: the lease of each is the array's
@@ -245,3 +246,52 @@ def test_a_lock_failure_at_the_end_of_a_load_leaks_no_fd(monkeypatch):
     monkeypatch.undo()
     gc.collect()
     assert not [fd for fd in fds if os.path.exists(f"/proc/self/fd/{fd}")]
+
+
+def _forward_once(qin, qout) -> None:
+    b = qin.get(timeout=JOIN)
+    qout.put(b)  # travels with the description this process holds the slot by
+    del b
+    qout.close()
+    qout.join_thread()
+
+
+def _hold_until_told(qin, report, release) -> None:
+    b = qin.get(timeout=JOIN)
+    report.put(float(b.sum()))
+    release.wait(JOIN)
+    del b
+    report.put("let go")
+
+
+def test_a_forwarded_array_stays_held_until_its_last_receiver_lets_go(lc):
+    """Creator -> forwarder -> holder: the creator and the forwarder both let go (the
+    forwarder exits); the holder's copy of the forwarded description keeps the slot."""
+    ctx = smp.get_context("spawn")
+    q1, q2, report, release = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
+    a = shmtensor.full(OWN, 2.0)
+    seg = _segments.segment_of(a)
+    table = ofd_lease.own_table()
+    forwarder = ctx.Process(target=_forward_once, args=(q1, q2))
+    holder = ctx.Process(target=_hold_until_told, args=(q2, report, release))
+    forwarder.start()
+    holder.start()
+    try:
+        q1.put(a)
+        del a
+        assert report.get(timeout=JOIN) == 2.0 * OWN
+        forwarder.join(JOIN)
+        assert forwarder.exitcode == 0
+        gc.collect()
+        assert seg.slot not in _holding(seg).by  # the creator let go
+        assert table.is_held(seg.slot)  # the holder's copy keeps it
+        release.set()
+        assert report.get(timeout=JOIN) == "let go"
+        deadline = time.monotonic() + JOIN
+        while table.is_held(seg.slot) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not table.is_held(seg.slot)
+    finally:
+        release.set()
+        join_all(forwarder, holder)
+    assert holder.exitcode == 0
