@@ -205,9 +205,10 @@ def hold(table_id: str, slot: int, fd_source: int | None = None,
             n = h.counts.get(slot, 0)
             if n == 0:
                 if deferred is None or fd_source is None:
-                    h.by[slot] = _own_sole(fd, slot) if fd_source is None else -1
-                    if h.by[slot] < 0:
+                    by = _own_sole(fd, slot) if fd_source is None else -1
+                    if by < 0:
                         _setlk(fd, fcntl.F_RDLCK, slot)
+                    h.by[slot] = by
                 else:
                     deferred.append(entry)
             h.counts[slot] = n + 1

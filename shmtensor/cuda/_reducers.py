@@ -12,6 +12,12 @@ from .. import _registry
 from . import _device, _events, _ipc, _release, _vmm
 
 
+def _owner(cp, mem):
+    """What owns memory shmtensor handed to CuPy (a VMM block or use, a legacy IPC use), or
+    None for memory of CuPy's own."""
+    return getattr(mem, "_owner", None) if isinstance(mem, cp.cuda.UnownedMemory) else None
+
+
 def reduce_cupy_array(arr):
     cp = _device.cupy()  # the fork error, before any driver call
     _release.poll()
@@ -19,7 +25,7 @@ def reduce_cupy_array(arr):
         return _ipc.rebuild_empty, (arr.shape, arr.dtype.str,
                                     _device.bus_id(cp, arr.device.id))
     mem = arr.data.mem
-    owner = getattr(mem, "_owner", None) if isinstance(mem, cp.cuda.UnownedMemory) else None
+    owner = _owner(cp, mem)
     if isinstance(owner, _vmm.SHARED_OWNERS):
         return _vmm.reduce_array(cp, arr, mem, owner)
     return _ipc.reduce_array(cp, arr, mem, owner)
@@ -30,7 +36,7 @@ def lane_dumps(arr):
     IPC lane (None: the general path, which also raises what is wrong)."""
     cp = _device.cupy()  # the fork error, before any driver call
     mem = arr.data.mem
-    owner = getattr(mem, "_owner", None) if isinstance(mem, cp.cuda.UnownedMemory) else None
+    owner = _owner(cp, mem)
     if isinstance(owner, _vmm.SHARED_OWNERS):
         return _vmm.lane_dumps(arr)
     _release.poll()
