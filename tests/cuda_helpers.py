@@ -295,3 +295,13 @@ def send_fresh_then_report(queue, out, event, count):
         shmtensor.cuda.ipc_collect()
         time.sleep(0.05)
     out.put(len(shmtensor.cuda.exports()))
+
+
+def echo_to_host(queue, out, count):
+    """Receive ``count`` arrays, one per message, and send back each one's host copy,
+    shape, strides and whether it is C-contiguous."""
+    cupy = cp()
+    for _ in range(count):
+        a = queue.get(timeout=60)
+        out.put((cupy.asnumpy(a), a.shape, a.strides, a.flags.c_contiguous))
+        del a

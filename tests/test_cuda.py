@@ -241,6 +241,29 @@ def test_cuda_empty_and_mixed_dtypes(cp, ctx, lc):
     join_all(p)
 
 
+def test_one_array_messages_keep_every_layout(cp, kind, ctx, lc):
+    """An array sent alone takes its kind's lane (no pickler); views, offsets, transposes,
+    0-d and odd dtypes arrive with their values and layout, and an empty one takes the
+    general path."""
+    base = cp.arange(60, dtype=cp.float64).reshape(6, 10)
+    arrays = [base, base[:, 3], base[2:], base.T, base[1:5:2, ::3], cp.asarray(7.5),
+              cp.arange(5, dtype=cp.float16), (cp.arange(6) % 2).astype(cp.bool_),
+              (cp.arange(4) * (1 + 2j)).astype(cp.complex64), cp.ones((3, 1, 2), cp.int32),
+              cp.empty((0, 4))]
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=ch.echo_to_host, args=(q, out, len(arrays)))
+    p.start()
+    try:
+        for a in arrays:
+            q.put(a)
+            host, shape, strides, contiguous = out.get(timeout=JOIN)
+            assert shape == a.shape and strides == a.strides
+            assert contiguous == a.flags.c_contiguous and host.dtype == a.dtype
+            assert (host == cp.asnumpy(a)).all()
+    finally:
+        join_all(p)
+
+
 def test_cuda_bad_fork_error_at_every_entry_point(cp):
     fork = smp.get_context("fork")
     q, out = fork.Queue(), fork.Queue()
