@@ -175,6 +175,14 @@ def received_lease(table_id: str, slot: int, lock_i: int) -> tuple[int, list]:
     return ctx.fds[lock_i], ctx.deferred
 
 
+def lane_fields(data, fds: list[int], want: int, what: str) -> tuple:
+    """The fields of a lane message (a 2-byte kind, then a plain pickle), once it is known
+    to have come with ``want`` fds."""
+    if len(fds) != want:
+        raise pickle.UnpicklingError(f"{what} came with {len(fds)} fds, not {want}")
+    return pickle.loads(memoryview(data)[2:])
+
+
 def received_fd(i: int) -> int:
     """The ``i``-th fd that came with the message being unpickled."""
     ctx: RecvContext | None = getattr(current, "recv", None)
