@@ -179,7 +179,7 @@ def use_primary_context(device: int) -> None:
 
 def close_mem_handle(ptr: int) -> None:
     """``cuIpcCloseMemHandle`` in the current context.  Through ctypes the GIL is released
-    for the call (~90 us), which CuPy's own wrapper keeps."""
+    for the call (20-90 us), which CuPy's own wrapper keeps."""
     lib = _libcuda()
     if lib is None:
         raise CudaIpcError("libcuda.so.1 is not loadable: is the NVIDIA driver installed?")
