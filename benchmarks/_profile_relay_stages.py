@@ -15,7 +15,7 @@ import time
 
 N, N0 = 10_000, 1_000
 TIMED = [("shmtensor._reductions", "dumps"), ("shmtensor._reductions", "loads"),
-         ("shmtensor.cuda._ipc", "export"), ("shmtensor.cuda._vmm", "lane_dumps"),
+         ("shmtensor.cuda._ipc", "_export"), ("shmtensor.cuda._vmm", "lane_dumps"),
          ("shmtensor.cuda._vmm", "lane_loads"), ("shmtensor.cuda._events", "order"),
          ("shmtensor.cuda._events", "order_now"), ("shmtensor.cuda._events", "stream_wait"),
          ("shmtensor.ipc.ofd_lease", "inflight_fd"), ("shmtensor.ipc.ofd_lease", "hold"),

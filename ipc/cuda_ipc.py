@@ -159,31 +159,42 @@ def buffer_id(ptr: int) -> int:
     return out.value
 
 
-_primary: dict = {}  # device ordinal -> its retained primary context
+_contexts: dict[int, ctypes.c_void_p] = {}  # device ordinal -> its retained primary context
 
 
-def use_primary_context(device: int) -> None:
-    """Make ``device``'s primary context (the one CuPy and the runtime use) current in the
-    calling thread, for driver calls made from a thread that never used the device."""
-    lib = _libcuda()
-    if lib is None:
-        raise CudaIpcError("libcuda.so.1 is not loadable: is the NVIDIA driver installed?")
-    ctx = _primary.get(device)
-    if ctx is None:  # retained once per device, for the process's life
-        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-        _check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), device))
-        _check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
-        _primary[device] = ctx
-    _check("cuCtxSetCurrent", lib.cuCtxSetCurrent(ctx))
+class Current:
+    """Make ``device``'s primary context (the one CuPy and the runtime use; retained once
+    per process) current for the driver calls inside, on any thread."""
+
+    __slots__ = ("device",)
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+
+    def __enter__(self):
+        lib = _libcuda()
+        if lib is None:
+            raise CudaIpcError("libcuda.so.1 is not loadable: is the NVIDIA driver installed?")
+        ctx = _contexts.get(self.device)
+        if ctx is None:
+            _check("cuInit", lib.cuInit(0))
+            dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+            _check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), self.device))
+            _check("cuDevicePrimaryCtxRetain",
+                   lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+            _contexts[self.device] = ctx
+        _check("cuCtxPushCurrent", lib.cuCtxPushCurrent_v2(ctx))
+        return lib
+
+    def __exit__(self, *exc) -> None:
+        _libcuda().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
 
-def close_mem_handle(ptr: int) -> None:
-    """``cuIpcCloseMemHandle`` in the current context.  Through ctypes the GIL is released
-    for the call (20-90 us), which CuPy's own wrapper keeps."""
-    lib = _libcuda()
-    if lib is None:
-        raise CudaIpcError("libcuda.so.1 is not loadable: is the NVIDIA driver installed?")
-    _check("cuIpcCloseMemHandle", lib.cuIpcCloseMemHandle(ctypes.c_uint64(ptr)))
+def close_mem_handle(device: int, ptr: int) -> None:
+    """``cuIpcCloseMemHandle`` of a handle opened on ``device``.  Through ctypes the GIL
+    is released for the call (20-90 us), which CuPy's own wrapper keeps."""
+    with Current(device) as lib:
+        _check("cuIpcCloseMemHandle", lib.cuIpcCloseMemHandle(ctypes.c_uint64(ptr)))
 
 
 _bad_fork = False
@@ -200,7 +211,7 @@ def _after_fork_in_child() -> None:
     global _bad_fork, _lock
     _lock = threading.Lock()
     _bad_fork = _bad_fork or _parent_had_cuda
-    _primary.clear()  # the parent's contexts
+    _contexts.clear()  # the parent's contexts
 
 
 def bad_fork() -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-from .cuda_ipc import CudaIpcError, _check, _libcuda
+from .cuda_ipc import Current as _Current, _check
 
 __all__ = ["supported", "granularity", "create", "export_fd", "import_fd", "map_handle",
            "unmap", "release"]
@@ -52,41 +52,6 @@ class _AllocationProp(ctypes.Structure):
 
 class _AccessDesc(ctypes.Structure):
     _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
-
-
-def _lib():
-    lib = _libcuda()
-    if lib is None:
-        raise CudaIpcError("libcuda.so.1 is not loadable: is the NVIDIA driver installed?")
-    return lib
-
-
-_contexts: dict[int, ctypes.c_void_p] = {}
-
-
-class _Current:
-    """Make ``device``'s primary context current for the calls inside (retained once)."""
-
-    __slots__ = ("device",)
-
-    def __init__(self, device: int) -> None:
-        self.device = device
-
-    def __enter__(self):
-        lib = _lib()
-        ctx = _contexts.get(self.device)
-        if ctx is None:
-            _check("cuInit", lib.cuInit(0))
-            dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-            _check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), self.device))
-            _check("cuDevicePrimaryCtxRetain",
-                   lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
-            _contexts[self.device] = ctx
-        _check("cuCtxPushCurrent", lib.cuCtxPushCurrent_v2(ctx))
-        return lib
-
-    def __exit__(self, *exc) -> None:
-        _lib().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
 
 def _prop(device: int) -> _AllocationProp:

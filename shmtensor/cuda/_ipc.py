@@ -209,7 +209,6 @@ _mappings = _Mappings()
 def _closer(ms: _Mappings) -> None:
     """Close evicted mappings.  ``cuIpcCloseMemHandle`` takes 20-90 us, and CuPy's wrapper
     keeps the GIL through it: here, through ctypes, the receiving thread goes on meanwhile."""
-    current = None
     while ms is _mappings:
         with ms.changed:
             while not ms.closing:
@@ -219,12 +218,9 @@ def _closer(ms: _Mappings) -> None:
             ms.busy.update(h for h, _ in batch)
         for _, m in batch:
             try:
-                if m.device != current:
-                    cuda_ipc.use_primary_context(m.device)
-                    current = m.device
-                cuda_ipc.close_mem_handle(m.ptr)
+                cuda_ipc.close_mem_handle(m.device, m.ptr)
             except Exception:  # shutting down: the driver closes it with the process
-                current = None
+                pass
         with ms.changed:
             ms.busy.difference_update(h for h, _ in batch)
             ms.changed.notify_all()
@@ -271,12 +267,12 @@ def reduce_array(cp, arr, mem, owner):
     """An array on memory from any allocator: its allocation's handle and its place in it."""
     device = arr.device.id
     if cp.cuda.runtime.getDevice() == device:
-        return _reduce_array(cp, arr, mem, owner)
+        return _reduce_array(cp, arr, mem, owner, device)
     with cp.cuda.Device(device):
-        return _reduce_array(cp, arr, mem, owner)
+        return _reduce_array(cp, arr, mem, owner, device)
 
 
-def _reduce_array(cp, arr, mem, owner):
+def _reduce_array(cp, arr, mem, owner, device: int):
     """:func:`reduce_array` with the array's device current."""
     if isinstance(owner, _Use):  # forwarding what we received: same handle, same slot
         m = owner.mapping
@@ -285,7 +281,8 @@ def _reduce_array(cp, arr, mem, owner):
         handle, bus_id, size, base = m.handle, m.bus_id, m.size, m.ptr
         _wire.keep_alive(mem)
     else:
-        lease = export(cp, arr)
+        lease, token = _export(cp, arr, device)
+        _wire.keep_alive(token)
         ex = lease.export
         ev = _events.order(cp, ex.device)
         table_id, slot = ofd_lease.own_table().id, lease.slot
@@ -295,17 +292,10 @@ def _reduce_array(cp, arr, mem, owner):
                                  arr.strides, arr.dtype.str, table_id, slot, lock_i, ev)
 
 
-def export(cp, arr) -> _Lease:
-    """The lease of ``arr``'s chunk (and the export of its allocation), made if needed;
-    keeps the chunk alive until the message being pickled is sent and nobody holds the
-    lease's slot."""
-    lease, token = _export(cp, arr, arr.device.id)
-    _wire.keep_alive(token)
-    return lease
-
-
 def _export(cp, arr, device: int) -> tuple[_Lease, _Token]:
-    """:func:`export`, returning the token the message must keep until it is sent."""
+    """The lease of ``arr``'s chunk (and the export of its allocation), made if needed, and
+    the token the message must keep until it is sent: the chunk stays out of CuPy's pool
+    until then and until nobody holds the lease's slot."""
     mem = arr.data.mem
     key = (device, mem.ptr)
     x = _exports
