@@ -13,6 +13,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,12 +30,22 @@ PLAIN = [PY, "-c", "pass"]
 IMPORT_CLI = [PY, "-c", "import shmtensor.cli"]
 LEAK_CHECK = [PY, "-m", "shmtensor", "leak-check", "--", *PLAIN]
 LS_JSON = [PY, "-m", "shmtensor", "ls", "--json"]
+# Every timed command runs with a bytecode cache of its own, filled by the untimed first run.
+# Why: with PYTHONDONTWRITEBYTECODE=1 (set on the machines these runs were taken on) and the
+# editable install, no .pyc of shmtensor exists, so each fresh process compiled the ~17
+# modules `shmtensor.cli` imports from source: ~20 ms of every leak-check and ls run (15
+# interleaved runs: overhead 97 ms without a cache, 78 ms with one), a cost no installed
+# package pays.  The same environment goes to every command (plain python too), and the
+# prefix keeps the .pyc files out of the source tree.
+_PYCACHE = tempfile.TemporaryDirectory(prefix="shmtensor-bench-pyc-")
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} \
+    | {"PYTHONPYCACHEPREFIX": _PYCACHE.name}
 
 
 def wall(cmd: list[str]) -> tuple[float, subprocess.CompletedProcess]:
     """Wall time of one run of ``cmd`` (its output captured), and the finished process."""
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=ENV)
     return time.perf_counter() - t0, done
 
 
@@ -98,7 +109,7 @@ def ls_with_segments(count: int, runs: int) -> dict:
     """Time ``ls`` while a helper child holds ``count`` named segments; then let it exit
     and wait for its segments to leave /dev/shm."""
     helper = subprocess.Popen([PY, "-m", "benchmarks._hold_segments", str(count)], cwd=ROOT,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         made = int(helper.stdout.readline())
         result = {"segments_held": made, "named_in_dev_shm": len(_own_names(helper.pid))}
