@@ -235,13 +235,25 @@ def _own_sole(source: int, slot: int) -> int:
 
 
 def sendable(table_id: str, slot: int) -> int:
-    """This process's description that holds ``slot`` of ``table_id`` alone (a kept
-    in-flight description, or one made for an own hold), or -1.  Sent with a message, it
-    is that message's in-flight lock: the kernel keeps the description, and so the lock,
-    while any fd of it is open anywhere, in flight included.  The caller keeps the slot
-    held until the message is sent (its anchors or uses), so the fd stays open."""
+    """A new fd of the description by which this process holds ``slot`` of ``table_id``
+    alone (a kept in-flight description, or one made for an own hold), or -1.  Sent with a
+    message, it is that message's in-flight lock: the kernel keeps the description, and so
+    the lock, while any fd of it is open anywhere, in flight included.  The fd is the
+    caller's, to close once the message is sent: the hold that made the description may be
+    let go before the send (a CUDA block's hold belongs to a received use, not to the
+    memory a message keeps), and its own fd closed with it.  A ``dup`` costs no open and
+    no lock; it is made under the holding's lock, which every release takes first."""
     h = _holdings.get(table_id)
-    return h.by.get(slot, -1) if h is not None else -1
+    if h is None:
+        return -1
+    with h.lock:
+        fd = h.by.get(slot, -1)
+        if fd < 0:
+            return -1
+        try:
+            return os.dup(fd)
+        except OSError:  # out of fds: the caller's in-flight description says so
+            return -1
 
 
 _kept = 0  # in-flight descriptions kept as holds, in all tables (under _kept_lock)

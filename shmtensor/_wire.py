@@ -24,7 +24,8 @@ class SendContext:
 
     In-flight lock descriptions are made by :meth:`wire_fds`, right before the send, so a
     message waiting in a queue's buffer costs no fd (its anchors keep the holds meanwhile);
-    a slot this process holds by a description of its own travels with that one.
+    a slot this process holds by a description of its own travels with a ``dup`` of that
+    one, which the message owns like a fresh one.
     """
 
     __slots__ = ("fds", "owned", "keep", "inflight", "memo", "__weakref__")
@@ -44,7 +45,7 @@ class SendContext:
                 fd = ofd_lease.sendable(table_id, slots[0]) if len(set(slots)) == 1 else -1
                 if fd < 0:
                     fd = ofd_lease.inflight_fd(table_id, slots)
-                    self.owned.append(fd)
+                self.owned.append(fd)
                 self.fds[i] = fd
         return self.fds
 
@@ -78,7 +79,7 @@ class LaneContext(SendContext):
             fd = ofd_lease.sendable(self.table_id, self.slot)
             if fd < 0:
                 fd = ofd_lease.inflight_fd(self.table_id, (self.slot,))
-                self.owned.append(fd)
+            self.owned.append(fd)
             fds[-1] = fd
         return fds
 

@@ -92,6 +92,39 @@ def test_an_own_hold_travels_with_every_message_without_a_new_description(monkey
         w.close()
 
 
+def test_a_message_owns_the_hold_it_travels_with_when_the_holder_lets_go():
+    """The hold a message travels with may belong to something the message does not keep
+    (a CUDA block sent home is held by its received use, while the message keeps the
+    block's memory): letting go of it before the send must leave the message its lock."""
+    import socket
+
+    from shmtensor import _wire
+    from shmtensor.ipc import scm_rights
+
+    table = ofd_lease.own_table()
+    slot = table.new_slot()
+    back = ofd_lease.inflight_fd(table.id, [slot])  # as a message sending it home brings
+    assert ofd_lease.hold_sole(table.id, slot, back)  # the receipt's hold is that description
+    ctx = _wire.LaneContext(object(), None, table.id, slot)
+    ctx.wire_fds()  # worked out before the send (a full socket, the feeder's buffer)
+    ofd_lease.release(table.id, slot)  # the receipt dies first: its description is closed
+    other = os.open(os.devnull, os.O_RDONLY)  # and its fd number may be taken meanwhile
+    a, b = socket.socketpair()
+    try:
+        scm_rights.send_frame(a, b"x", ctx.wire_fds())
+        ctx.release()
+        assert table.is_held(slot)  # the message's own fd keeps the lock while in flight
+        _, got = scm_rights.recv_frame(b)
+        assert os.readlink(f"/proc/self/fd/{got[0]}").startswith("/memfd:")
+        assert table.is_held(slot)
+        scm_rights.close_fds(got)
+        assert not table.is_held(slot)
+    finally:
+        os.close(other)
+        a.close()
+        b.close()
+
+
 def _two_in_one_file():
     """Two shared arrays (zeros, ones) whose slots are in the same lease table file."""
     made, seen = [], {}
