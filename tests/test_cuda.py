@@ -358,6 +358,46 @@ def test_cuda_no_reuse_before_consumer_release(cp, kind, ctx, lc):
     del b
 
 
+def test_cuda_an_array_sent_again_keeps_its_lease_when_its_receipt_home_dies(cp, kind, lc):
+    """An array that came home is held by its receipt (a VMM block: by the description the
+    message brought), not by the memory a message sending the original again keeps: that
+    receipt dying between working out the fds and the send must leave the message its own
+    lock, and a valid fd (it sent a closed or reused fd number before)."""
+    import gc
+    import socket
+
+    from shmtensor import _reductions
+    from shmtensor.ipc import ofd_lease, scm_rights
+
+    a = cp.full((1000,), 7.0)
+    r, w = smp.Pipe(duplex=False)
+    try:
+        w.send(a)
+        back = r.recv()  # home again
+    finally:
+        r.close()
+        w.close()
+    data, sctx = _reductions.dumps(a)  # one array: its kind's lane
+    sctx.wire_fds()  # worked out first, as when the socket is full
+    table_id, slot = sctx.table_id, sctx.slot
+    del back
+    gc.collect()
+    shmtensor.cuda.ipc_collect()  # the receipt's release has run
+    other = os.open(os.devnull, os.O_RDONLY)  # takes a freed fd number, if one was freed
+    s1, s2 = socket.socketpair()
+    try:
+        scm_rights.send_frame(s1, data, sctx.wire_fds())
+        sctx.release()
+        assert ofd_lease.own_table().id == table_id and ofd_lease.own_table().is_held(slot)
+        got = _reductions.loads(*scm_rights.recv_frame(s2))
+        assert float(got.sum()) == 7000.0 and got.data.ptr == a.data.ptr
+        del got
+    finally:
+        os.close(other)
+        s1.close()
+        s2.close()
+
+
 def test_cuda_consumer_sigkill_then_producer_reclaims(cp, kind, ctx, lc):
     q, out = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=ch.hold_until_killed, args=(q, out))
