@@ -26,6 +26,8 @@ import psutil
 import shmtensor as st
 import shmtensor.multiprocessing as smp
 
+from ._harness import stop_processes
+
 PRODUCERS = 8
 COUNT = 4000
 CAPACITY = 64
@@ -105,11 +107,7 @@ def session(channel: str, kind: str) -> dict:
         m1 = me.cpu_times()
         c1, s1 = _cpu(handles)
     finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        stop_processes(procs, 60)
         if shm is not None:
             shm.close()
             shm.unlink()

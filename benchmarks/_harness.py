@@ -163,3 +163,13 @@ def time_memcpy(nbytes: int, rounds: int) -> Timing:
         np.copyto(dst, src)
         times.append(time.perf_counter() - t0)
     return Timing(statistics.median(times), rounds, {})
+
+
+def stop_processes(procs, timeout: float = 30) -> None:
+    """Join ``procs``; kill any that is still there after ``timeout`` in all."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()

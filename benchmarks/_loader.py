@@ -16,6 +16,8 @@ import numpy as np
 
 import shmtensor as st
 
+from ._harness import stop_processes
+
 BATCH, DTYPE = (32, 256, 256), np.dtype(np.float32)  # 8 MB a batch
 SLOTS = 3
 GET_TIMEOUT = 120.0
@@ -69,7 +71,7 @@ def run_loader(ctx, nworkers: int, nbatches: int, use_pool: bool, skip: int) -> 
             if start is None and len(seen) == nworkers and len(stamps) > skip:
                 start = len(stamps) - 1
     finally:
-        _stop(procs)
+        stop_processes(procs)
     if start is None or start == len(stamps) - 1:
         raise RuntimeError(f"{nbatches} batches are too few to reach a steady state")
     rate = (len(stamps) - 1 - start) / (stamps[-1] - stamps[start])
@@ -86,16 +88,6 @@ def _get(out, procs):
             failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
             if failed or time.monotonic() > deadline:
                 raise RuntimeError(f"loader stalled (worker exit codes {failed})") from None
-
-
-def _stop(procs, timeout: float = 30) -> None:
-    """Join the workers; kill any that is still there after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
 
 
 # --- the peers' loaders, over the same "dataset" -------------------------------------------

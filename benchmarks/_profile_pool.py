@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import resource
-import statistics
 import sys
 import time
 

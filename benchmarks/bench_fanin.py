@@ -22,6 +22,7 @@ import shmtensor as st
 import shmtensor.multiprocessing as smp
 
 from . import _report
+from ._harness import stop_processes
 from ._report import KB, MB, Section, ratio, target
 
 PRODUCERS = 8
@@ -65,11 +66,7 @@ def session(shared: bool, count: int) -> float:
         for _ in range(total - hi):
             _get_checked(get, procs)
     finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        stop_processes(procs)
         q.close()
         q.join_thread()
         st.empty_cache()

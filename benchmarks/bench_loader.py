@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
-import statistics
 import sys
 import warnings
 from dataclasses import asdict, dataclass
