@@ -205,10 +205,8 @@ def hold(table_id: str, slot: int, fd_source: int | None = None,
             n = h.counts.get(slot, 0)
             if n == 0:
                 if deferred is None or fd_source is None:
-                    by = _own_sole(fd, slot) if fd_source is None else -1
-                    if by < 0:
-                        _setlk(fd, fcntl.F_RDLCK, slot)
-                    h.by[slot] = by
+                    _setlk(fd, fcntl.F_RDLCK, slot)
+                    h.by[slot] = -1
                 else:
                     deferred.append(entry)
             h.counts[slot] = n + 1
@@ -216,10 +214,9 @@ def hold(table_id: str, slot: int, fd_source: int | None = None,
 
 
 def _own_sole(source: int, slot: int) -> int:
-    """A description of its own holding ``slot`` alone, for a hold this process makes
-    without a message (its own segments), or -1 past the budget or the fd limit.  Each
-    message carrying the slot then travels with this description (see :func:`sendable`)
-    instead of a new in-flight one: no open, lock and close per message."""
+    """A description of its own holding ``slot`` alone, for an own hold that a message is
+    about to carry (see :func:`sendable`), or -1 past the budget or the fd limit.  Made at
+    the first send, not with the hold: a segment never sent costs no fd for it."""
     global _kept
     budget = _budget[0] if _budget else kept_budget()
     with _kept_lock:
@@ -228,7 +225,7 @@ def _own_sole(source: int, slot: int) -> int:
         _kept += 1
     try:
         return _locked_copy(source, (slot,))
-    except OSError:  # out of fds: a lock through ``source`` does as well
+    except OSError:  # out of fds: the message makes its in-flight description (and says so)
         with _kept_lock:
             _kept -= 1
         return -1
@@ -236,7 +233,8 @@ def _own_sole(source: int, slot: int) -> int:
 
 def sendable(table_id: str, slot: int) -> int:
     """A new fd of the description by which this process holds ``slot`` of ``table_id``
-    alone (a kept in-flight description, or one made for an own hold), or -1.  Sent with a
+    alone (a kept in-flight description, or one made for an own hold, here on its first
+    send within the kept budget), or -1.  Sent with a
     message, it is that message's in-flight lock: the kernel keeps the description, and so
     the lock, while any fd of it is open anywhere, in flight included.  The fd is the
     caller's, to close once the message is sent: the hold that made the description may be
@@ -247,9 +245,20 @@ def sendable(table_id: str, slot: int) -> int:
     if h is None:
         return -1
     with h.lock:
-        fd = h.by.get(slot, -1)
+        fd = h.by.get(slot)
+        if fd is None:
+            return -1  # not held, or held by a message still being loaded
         if fd < 0:
-            return -1
+            if _own is None or table_id != _own.id:
+                return -1  # a lock through this process's description of another's table
+            # an own hold by a lock, sent for the first time: from now on held by a
+            # description of its own, which this message and the next ones carry
+            k = slot % SHARDS
+            fd = _own_sole(h.fds[k], slot)
+            if fd < 0:
+                return -1
+            h.by[slot] = fd
+            _setlk(h.fds[k], fcntl.F_UNLCK, slot)  # the new description holds it now
         try:
             return os.dup(fd)
         except OSError:  # out of fds: the caller's in-flight description says so

@@ -45,8 +45,8 @@ def test_a_sole_slot_is_held_by_the_kept_inflight_description():
     a = shmtensor.zeros(OWN)
     seg = _segments.segment_of(a)
     table = ofd_lease.own_table()
-    own = _holding(seg).by[seg.slot]
-    assert own >= 0 and ofd_lease._kept == kept_before + 1  # the creator's own description
+    assert _holding(seg).by[seg.slot] == -1  # a lock: never sent yet, it costs no fd
+    assert ofd_lease._kept == kept_before
     box = [a]
     del a
     b = _send_to_self(box)  # the creator's hold is gone before the receipt
@@ -62,8 +62,10 @@ def test_a_sole_slot_is_held_by_the_kept_inflight_description():
 
 
 def test_an_own_hold_travels_with_every_message_without_a_new_description(monkeypatch):
-    """A slot held by a description of its own is sent with that description: no open,
-    lock and close per message; the lock outlives the creator's hold while in flight."""
+    """An own slot's first send makes it a description of its own, which every message
+    then carries: no open, lock and close per message after the first; the lock outlives
+    the creator's hold while in flight.  A segment never sent costs no fd for it."""
+    kept_before = ofd_lease._kept
     a = shmtensor.zeros(OWN)
     seg = _segments.segment_of(a)
     table = ofd_lease.own_table()
@@ -72,10 +74,12 @@ def test_an_own_hold_travels_with_every_message_without_a_new_description(monkey
     monkeypatch.setattr(ofd_lease, "_reopen", lambda fd: made.append(fd) or real(fd))
     r, w = smp.Pipe(duplex=False)
     try:
+        assert ofd_lease._kept == kept_before and _holding(seg).by[seg.slot] == -1
         for _ in range(5):
             w.send(a)
         got = [r.recv() for _ in range(5)]
-        assert made == [] and all(g.ctypes.data == a.ctypes.data for g in got)
+        assert len(made) == 1 and all(g.ctypes.data == a.ctypes.data for g in got)
+        assert ofd_lease._kept == kept_before + 1 and _holding(seg).by[seg.slot] >= 0
         del got
         w.send(a)  # in flight, covered by the creator's description only
         del a
