@@ -26,7 +26,7 @@ import psutil
 import shmtensor as st
 import shmtensor.multiprocessing as smp
 
-from ._harness import stop_processes
+from ._harness import check_exit_codes, stop_processes
 
 PRODUCERS = 8
 COUNT = 4000
@@ -112,9 +112,7 @@ def session(channel: str, kind: str) -> dict:
             shm.close()
             shm.unlink()
         st.empty_cache()
-    bad = [p.exitcode for p in procs if p.exitcode != 0]
-    if bad:
-        raise RuntimeError(f"producers failed (exit codes {bad})")
+    check_exit_codes(procs, "producers")
     return {"rate": n / elapsed, "producers_us": (c1 - c0) / n * 1e6,
             "consumer_us": (m1.user + m1.system - m0.user - m0.system) / n * 1e6,
             "switches": (s1 - s0) / n}

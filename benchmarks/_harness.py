@@ -173,3 +173,11 @@ def stop_processes(procs, timeout: float = 30) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+
+
+def check_exit_codes(procs, what: str) -> None:
+    """Raise if any of ``procs`` (joined) exited with an error: a failed child's numbers
+    are not numbers."""
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise RuntimeError(f"{what} failed (exit codes {bad})")

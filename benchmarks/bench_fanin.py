@@ -22,7 +22,7 @@ import shmtensor as st
 import shmtensor.multiprocessing as smp
 
 from . import _report
-from ._harness import stop_processes
+from ._harness import check_exit_codes, stop_processes
 from ._report import KB, MB, Section, ratio, target
 
 PRODUCERS = 8
@@ -70,9 +70,7 @@ def session(shared: bool, count: int) -> float:
         q.close()
         q.join_thread()
         st.empty_cache()
-    bad = [p.exitcode for p in procs if p.exitcode != 0]
-    if bad:
-        raise RuntimeError(f"fan-in producers failed (exit codes {bad})")
+    check_exit_codes(procs, "fan-in producers")
     return (hi - lo) / elapsed
 
 
