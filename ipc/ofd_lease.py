@@ -233,14 +233,14 @@ def _own_sole(source: int, slot: int) -> int:
 
 def sendable(table_id: str, slot: int) -> int:
     """A new fd of the description by which this process holds ``slot`` of ``table_id``
-    alone (a kept in-flight description, or one made for an own hold, here on its first
-    send within the kept budget), or -1.  Sent with a
-    message, it is that message's in-flight lock: the kernel keeps the description, and so
-    the lock, while any fd of it is open anywhere, in flight included.  The fd is the
-    caller's, to close once the message is sent: the hold that made the description may be
-    let go before the send (a CUDA block's hold belongs to a received use, not to the
-    memory a message keeps), and its own fd closed with it.  A ``dup`` costs no open and
-    no lock; it is made under the holding's lock, which every release takes first."""
+    alone (a kept in-flight description, or one made for an own hold here, on the slot's
+    first send, within the kept budget), or -1.  Sent with a message, it is that message's
+    in-flight lock: the kernel keeps the description, and so the lock, while any fd of it
+    is open anywhere, in flight included.  The fd is the caller's, to close once the
+    message is sent: the hold that made the description may be let go before the send (a
+    CUDA block's hold belongs to a received use, not to the memory a message keeps), and
+    its own fd closed with it.  A ``dup`` costs no open and no lock; it is made under the
+    holding's lock, which every release takes first."""
     h = _holdings.get(table_id)
     if h is None:
         return -1
