@@ -34,6 +34,7 @@ and the kept descriptions, each of which saves a walk.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import gc
 import os
@@ -47,8 +48,8 @@ from .scm_rights import close_fds
 __all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "hold_sole",
            "lock_shared",
            "establish", "release", "inflight_fd", "sendable", "kept_budget", "probe_held",
-           "forget_idle", "own_fds", "table_count", "before_fork", "after_fork_in_parent",
-           "after_fork_in_child"]
+           "forget_idle", "shed_kept", "own_fds", "table_count", "before_fork",
+           "after_fork_in_parent", "after_fork_in_child"]
 
 HAVE_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")
 _SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
@@ -66,6 +67,11 @@ def _reopen(fd: int) -> int:
     try:
         return os.open(path, _REOPEN)
     except OSError as e:
+        if e.errno == errno.EMFILE and shed_kept():
+            try:
+                return os.open(path, _REOPEN)
+            except OSError as again:
+                e = again
         raise fd_limit_error(e, "a lease description") from None
 
 
@@ -281,6 +287,35 @@ def kept_budget() -> int:
             soft = 1 << 16
         _budget.append(max(0, min(256, soft // 8)))
     return _budget[0]
+
+
+def shed_kept() -> int:
+    """For a process out of fds: close the descriptions it keeps as holds (its own, and
+    received in-flight ones) wherever it has a description of the same table file to hold
+    those slots by a lock instead, and keep no more from now on (the budget drops to what
+    is left).  Closing this process's fd takes no lock away from anyone: a copy of such a
+    description in flight or in another process still holds it.  Returns the fds closed.
+    A holding whose lock another thread has is skipped (no lock order to keep)."""
+    global _kept
+    closed = 0
+    for h in list(_holdings.values()):
+        if not h.lock.acquire(blocking=False):
+            continue
+        try:
+            for slot, by in list(h.by.items()):
+                fd = h.fds[slot % SHARDS]
+                if by < 0 or fd < 0:
+                    continue
+                _setlk(fd, fcntl.F_RDLCK, slot)  # held by the lock before the close
+                h.by[slot] = -1
+                os.close(by)
+                closed += 1
+        finally:
+            h.lock.release()
+    with _kept_lock:
+        _kept -= closed
+        _budget[:] = [_kept]
+    return closed
 
 
 def establish(table_id: str, slot: int, inflight: int, sole: bool) -> bool:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import errno
 import os
 import queue
 import threading
@@ -350,7 +351,12 @@ def _create_file(name: str, size: int, kind: str, slots: list[int],
                  table: ofd_lease.LeaseTable) -> int:
     """A new memfd, or /dev/shm/NAME, of ``size`` bytes for the segments of ``slots``."""
     if kind == FD:
-        return posix_shm.create_memfd(name, size)
+        try:
+            return posix_shm.create_memfd(name, size)
+        except OSError as e:
+            if e.errno != errno.EMFILE or not ofd_lease.shed_kept():
+                raise
+            return posix_shm.create_memfd(name, size)  # fds freed: once more
     # The janitor hears of the name before the file exists: a SIGKILL in between leaves
     # nothing it does not know about.
     for slot in slots:

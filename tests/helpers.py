@@ -225,3 +225,44 @@ def die_holding(lock, ready):
     lock.acquire()
     ready.set()
     time.sleep(3600)
+
+
+def _drop_all(r):
+    """Receive and drop until None."""
+    while r.recv() is not None:
+        pass
+
+
+def keep_sent_segments_until_out_of_fds(out, limit, size):
+    """Under ``limit`` fds: make own segments, send each once to a child that drops it, and
+    keep them all until a segment or a send fails; report how many were kept, what the
+    error said, whether every kept one is intact and held, and the kept descriptions and
+    budget left."""
+    import multiprocessing
+    import resource
+
+    import shmtensor.multiprocessing as smp
+    from shmtensor import _segments
+    from shmtensor.ipc import ofd_lease
+    r, w = smp.Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(target=_drop_all, args=(r,))
+    child.start()
+    r.close()
+    ofd_lease.own_table()
+    start = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    kept, error = [], ""
+    try:
+        while len(kept) < 4 * limit:
+            a = shmtensor.full(size, len(kept), dtype=np.int64)
+            w.send(a)
+            kept.append(a)
+    except OSError as e:
+        error = str(e)
+    w.send(None)
+    child.join(60)
+    table = ofd_lease.own_table()
+    intact = all(int(a[0]) == i and int(a[-1]) == i for i, a in enumerate(kept))
+    held = all(table.is_held(_segments.segment_of(a).slot) for a in kept)
+    out.put((len(kept), start, error, intact, held, ofd_lease._kept, ofd_lease.kept_budget(),
+             child.exitcode))

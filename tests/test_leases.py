@@ -129,6 +129,30 @@ def test_a_message_owns_the_hold_it_travels_with_when_the_holder_lets_go():
         b.close()
 
 
+def test_out_of_fds_a_process_gives_up_its_kept_descriptions_and_goes_on():
+    """A process that keeps descriptions as holds (one per own segment sent, up to an
+    eighth of its fd limit) closes them when it runs out of fds, holding those slots by
+    locks instead, and keeps no more: the segment or send that hit the limit goes on, and
+    every array kept stays intact and held."""
+    import helpers
+
+    limit, ctx = 128, smp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    p = ctx.Process(target=helpers.keep_sent_segments_until_out_of_fds,
+                    args=(out, limit, OWN))
+    p.start()
+    count, start, error, intact, held, kept, budget, child_exit = out.get()
+    join_all(p)
+    assert child_exit == 0
+    assert "no file descriptor left" in error, error  # the limit is reached in the end
+    assert intact and held
+    assert kept == 0 and budget == 0  # every kept description was given up, none made since
+    # each segment kept costs its memfd alone: what was open at the start, the table's
+    # descriptions of its files and the description the last send needed take the rest
+    # (with the kept descriptions, an eighth of the limit fewer segments fit)
+    assert count >= limit - start - ofd_lease.SHARDS - 2, (count, start, error)
+
+
 def _two_in_one_file():
     """Two shared arrays (zeros, ones) whose slots are in the same lease table file."""
     made, seen = [], {}
