@@ -298,23 +298,34 @@ def shed_kept() -> int:
     A holding whose lock another thread has is skipped (no lock order to keep)."""
     global _kept
     closed = 0
-    for h in list(_holdings.values()):
-        if not h.lock.acquire(blocking=False):
-            continue
-        try:
-            for slot, by in list(h.by.items()):
-                fd = h.fds[slot % SHARDS]
-                if by < 0 or fd < 0:
-                    continue
-                _setlk(fd, fcntl.F_RDLCK, slot)  # held by the lock before the close
-                h.by[slot] = -1
-                os.close(by)
-                closed += 1
-        finally:
-            h.lock.release()
-    with _kept_lock:
-        _kept -= closed
-        _budget[:] = [_kept]
+    # No GC pass in here: a finalizer it ran in this thread would get the holding's
+    # (re-entrant) lock and could let go of a hold while it is being moved.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for h in list(_holdings.values()):
+            if not h.lock.acquire(blocking=False):
+                continue
+            try:
+                for slot, by in list(h.by.items()):
+                    fd = h.fds[slot % SHARDS]
+                    if by < 0 or fd < 0:
+                        continue
+                    try:
+                        _setlk(fd, fcntl.F_RDLCK, slot)  # held by the lock before the close
+                    except OSError:  # no lock to be had: it keeps its description
+                        continue
+                    h.by[slot] = -1
+                    close_fds((by,))
+                    closed += 1
+            finally:
+                h.lock.release()
+    finally:
+        if was_enabled:
+            gc.enable()
+        with _kept_lock:
+            _kept -= closed
+            _budget[:] = [_kept]
     return closed
 
 
