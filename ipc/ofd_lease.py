@@ -48,8 +48,8 @@ from .scm_rights import close_fds
 __all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "hold_sole",
            "lock_shared",
            "establish", "release", "inflight_fd", "sendable", "kept_budget", "probe_held",
-           "forget_idle", "shed_kept", "own_fds", "table_count", "before_fork",
-           "after_fork_in_parent", "after_fork_in_child"]
+           "forget_idle", "shed_kept", "retry_after_shedding", "own_fds", "table_count",
+           "before_fork", "after_fork_in_parent", "after_fork_in_child"]
 
 HAVE_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")
 _SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
@@ -67,12 +67,10 @@ def _reopen(fd: int) -> int:
     try:
         return os.open(path, _REOPEN)
     except OSError as e:
-        if e.errno == errno.EMFILE and shed_kept():
-            try:
-                return os.open(path, _REOPEN)
-            except OSError as again:
-                e = again
-        raise fd_limit_error(e, "a lease description") from None
+        try:
+            return retry_after_shedding(e, os.open, path, _REOPEN)
+        except OSError as again:
+            raise fd_limit_error(again, "a lease description") from None
 
 
 def _setlk(fd: int, kind: int, slot: int) -> None:
@@ -327,6 +325,14 @@ def shed_kept() -> int:
             _kept -= closed
             _budget[:] = [_kept]
     return closed
+
+
+def retry_after_shedding(err: OSError, make, *args):
+    """``make(*args)`` once more, when ``err`` (what it raised) says this process has no
+    fd left and :func:`shed_kept` freed some; else ``err`` is raised."""
+    if err.errno != errno.EMFILE or not shed_kept():
+        raise err
+    return make(*args)
 
 
 def establish(table_id: str, slot: int, inflight: int, sole: bool) -> bool:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import atexit
 import bisect
-import errno
 import os
 import queue
 import threading
@@ -350,21 +349,20 @@ def _mark_slab(seg: Segment, slab: bool) -> None:
 def _create_file(name: str, size: int, kind: str, slots: list[int],
                  table: ofd_lease.LeaseTable) -> int:
     """A new memfd, or /dev/shm/NAME, of ``size`` bytes for the segments of ``slots``."""
-    if kind == FD:
-        try:
-            return posix_shm.create_memfd(name, size)
-        except OSError as e:
-            if e.errno != errno.EMFILE or not ofd_lease.shed_kept():
-                raise
-            return posix_shm.create_memfd(name, size)  # fds freed: once more
-    # The janitor hears of the name before the file exists: a SIGKILL in between leaves
-    # nothing it does not know about.
-    for slot in slots:
-        janitor.track(name, slot, table.fds)
+    create = posix_shm.create_memfd if kind == FD else posix_shm.create_named
+    if kind != FD:
+        # The janitor hears of the name before the file exists: a SIGKILL in between
+        # leaves nothing it does not know about.
+        for slot in slots:
+            janitor.track(name, slot, table.fds)
     try:
-        return posix_shm.create_named(name, size)
+        try:
+            return create(name, size)
+        except OSError as e:  # out of fds: again once kept descriptions are given up
+            return ofd_lease.retry_after_shedding(e, create, name, size)
     except BaseException:
-        janitor.untrack(name)
+        if kind != FD:
+            janitor.untrack(name)
         raise
 
 
