@@ -111,38 +111,41 @@ def _numpy_lane_dumps(a: np.ndarray):
     if seg is None or (seg.kind == FD and seg.fd is None) or a.dtype.hasobject:
         return None
     anchor = seg.anchor()  # kept until sent: keeps the segment (and its memfd) here
+    # no strides for a C-contiguous array: numpy computes them faster than it checks them
     fields = (seg.key, seg.kind, seg.size, seg.table_id, seg.slot, _ptr(a) - seg.address,
-              a.shape, a.strides, _dt(a.dtype), not a.flags.writeable)
+              a.shape, None if a.flags.c_contiguous else a.strides, _dt(a.dtype),
+              not a.flags.writeable)
     _stats.bump("arrays_sent_shared")
     return (NUMPY_LANE + pickle.dumps(fields, pickle.HIGHEST_PROTOCOL),
             LaneContext(anchor, seg.fd if seg.kind == FD else None, seg.table_id, seg.slot))
 
 
+_dtypes: dict = {}  # dtype strings of lane messages -> numpy dtypes (a few, never evicted)
+
+
 def _numpy_lane_loads(data, fds: list[int]):
     """The array of a :func:`_numpy_lane_dumps` message; closes every fd it does not keep.
-    Its hold is made as :func:`loads` makes one: deferred while loading, then established
-    (keeping the message's description, which covers this one slot)."""
-    ctx = RecvContext(fds)
-    loaded = False
+    The message's in-flight description covers this one slot, so it may itself become the
+    hold (``_segments.receive_sole``), with nothing deferred."""
     try:
         (key, kind, size, table_id, slot, offset, shape, strides, dtype,
          readonly) = pickle.loads(memoryview(data)[len(NUMPY_LANE):])
         if len(fds) != (2 if kind == FD else 1):
             raise pickle.UnpicklingError(f"a shared array came with {len(fds)} fds")
-        ctx.claims[len(fds) - 1] = {(table_id, slot)}
-        anchor, took = _segments.receive(key, kind, size, table_id, slot,
-                                         fds[0] if kind == FD else None, fds[-1], ctx.deferred)
+        anchor, took, kept = _segments.receive_sole(key, kind, size, table_id, slot,
+                                                    fds[0] if kind == FD else None, fds[-1])
         if took:
             fds[0] = -1
-        a = _rebuild_array(anchor, offset, shape, strides, dtype, readonly)
-        loaded = True
-        return a
+        if kept:
+            fds[-1] = -1
+        dt = _dtypes.get(dtype) if type(dtype) is str else None
+        if dt is None:
+            dt = np.dtype(dtype)
+            if type(dtype) is str and len(_dtypes) < 256:
+                _dtypes[dtype] = dt
+        return _rebuild_array(anchor, offset, shape, strides, dt, readonly)
     finally:
-        try:
-            if ctx.deferred:
-                ctx.establish(loaded)
-        finally:
-            scm_rights.close_fds(fds)
+        scm_rights.close_fds(fds)
 
 
 def _reduce_segment(seg: Segment):

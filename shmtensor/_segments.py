@@ -88,18 +88,42 @@ class Segment:
             with _lock:
                 a = self._anchor() if self._anchor is not None else None
                 if a is None:
-                    if self.mm is None:
-                        raise LookupError(f"segment {self.key} was unmapped here")
-                    a = np.frombuffer(self.mm.buffer, np.uint8, count=self.size)
+                    a = self._buffer()
                     ofd_lease.hold(self.table_id, self.slot, lease_fd, deferred)
-                    self._anchor = weakref.ref(a)
-                    f = weakref.finalize(a, _anchor_died, self)
-                    f.atexit = False
-                    if self.own:
-                        _own_idle_drop(self)
-                    else:
-                        _cache_drop(self)
+                    self._watch(a)
         return a
+
+    def anchor_sole(self, inflight: int) -> tuple[np.ndarray, bool]:
+        """The live anchor, or a new one held through ``inflight`` (a message's in-flight
+        description covering this segment's slot alone: ``ofd_lease.hold_sole``).  Returns
+        it and whether ``inflight`` became the hold (the caller must then not close it)."""
+        ref = self._anchor
+        a = ref() if ref is not None else None
+        if a is not None:
+            return a, False
+        with _lock:
+            a = self._anchor() if self._anchor is not None else None
+            if a is not None:
+                return a, False
+            a = self._buffer()
+            kept = ofd_lease.hold_sole(self.table_id, self.slot, inflight)
+            self._watch(a)
+            return a, kept
+
+    def _buffer(self) -> np.ndarray:
+        if self.mm is None:
+            raise LookupError(f"segment {self.key} was unmapped here")
+        return np.frombuffer(self.mm.buffer, np.uint8, count=self.size)
+
+    def _watch(self, a: np.ndarray) -> None:
+        """Make ``a`` the anchor, its hold taken (caller holds ``_lock``)."""
+        ref = _AnchorRef(a, _anchor_ref_died)
+        ref.seg = self
+        self._anchor = ref
+        if self.own:
+            _own_idle_drop(self)
+        else:
+            _cache_drop(self)
 
     def alive(self) -> bool:
         return self._anchor is not None and self._anchor() is not None
@@ -220,9 +244,23 @@ def _own_idle_drop(seg: Segment) -> None:
 _died: queue.SimpleQueue = queue.SimpleQueue()  # segments whose anchor died, to settle
 
 
-def _anchor_died(seg: Segment) -> None:
+class _AnchorRef(weakref.ref):
+    """How a segment knows its live anchor; the anchor's death calls back
+    :func:`_anchor_ref_died`.  Lighter than ``weakref.finalize`` on a path taken once per
+    received message; the segment keeps it (so the callback runs), and it the segment."""
+
+    __slots__ = ("seg",)
+
+
+_exiting = False  # set at exit: dying anchors then release nothing (the kernel will)
+
+
+def _anchor_ref_died(ref: _AnchorRef) -> None:
     """A finalizer: release the lease now (other processes may be waiting to reuse the
     segment) and leave the idle bookkeeping to the next call that takes ``_lock``."""
+    if _exiting:
+        return
+    seg = ref.seg
     ofd_lease.release(seg.table_id, seg.slot)
     seg.idle_since = time.monotonic()
     _died.put(seg)
@@ -534,30 +572,68 @@ def receive(key: str, kind: str, size: int, table_id: str, slot: int, fd: int | 
     """The anchor of segment ``key`` here, mapping the segment if this process has not
     (from ``fd``, or by name); ``lease_fd`` came with the message (its in-flight lock;
     ``deferred`` as for ``ofd_lease.hold``).  Returns (anchor, whether ``fd`` was kept)."""
-    global _kept_fds
     with _lock:  # lookup, map and anchor as one step: eviction cannot slip in between
-        seg = _by_key.get(key)
-        if seg is not None and seg.mm is not None:
-            return seg.anchor(lease_fd, deferred), False
-        mapfd = fd if kind == FD else posix_shm.open_named(file_of(key)[0])
+        seg, took = _attached(key, kind, size, table_id, slot, fd)
         try:
-            seg = new_segment(key, kind, size, table_id, slot, own=False, fd=mapfd)
+            return seg.anchor(lease_fd, deferred), took
         except BaseException:
-            if kind == FS:
-                os.close(mapfd)
+            _unanchored(seg, took)
             raise
-        took = kind == FD and _kept_fds < ofd_lease.kept_budget()
-        if took:
-            _kept_fds += 1  # kept: this process can forward the segment without a copy
-        else:
-            seg.fd = None
-            if kind == FS:
-                os.close(mapfd)
-        _by_key[key] = seg
-        anchor = seg.anchor(lease_fd, deferred)
+
+
+def receive_sole(key: str, kind: str, size: int, table_id: str, slot: int, fd: int | None,
+                 inflight: int) -> tuple[np.ndarray, bool, bool]:
+    """:func:`receive` for a message whose in-flight description ``inflight`` covers this
+    segment's slot alone (a one-array message): the hold is made at once
+    (:meth:`Segment.anchor_sole`).  Returns (anchor, whether ``fd`` was kept, whether
+    ``inflight`` was)."""
+    with _lock:
+        seg, took = _attached(key, kind, size, table_id, slot, fd)
+        try:
+            anchor, kept = seg.anchor_sole(inflight)
+        except BaseException:
+            _unanchored(seg, took)
+            raise
+        return anchor, took, kept
+
+
+def _unanchored(seg: Segment, took: bool) -> None:
+    """A received segment whose anchor could not be made (its hold failed: no fd or lock
+    left): the message's fd stays the caller's to close, and the mapping idles in the
+    receive cache instead of staying mapped for good (caller holds ``_lock``)."""
+    global _kept_fds
+    if took:
+        seg.fd = None
+        _kept_fds -= 1
+    if not seg.own and not seg.alive():
+        _cache_put(seg)
+
+
+def _attached(key: str, kind: str, size: int, table_id: str, slot: int,
+              fd: int | None) -> tuple[Segment, bool]:
+    """Segment ``key`` mapped here, and whether ``fd`` was kept (caller holds ``_lock``)."""
+    global _kept_fds
+    seg = _by_key.get(key)
+    if seg is not None and seg.mm is not None:
+        return seg, False
+    mapfd = fd if kind == FD else posix_shm.open_named(file_of(key)[0])
+    try:
+        seg = new_segment(key, kind, size, table_id, slot, own=False, fd=mapfd)
+    except BaseException:
+        if kind == FS:
+            os.close(mapfd)
+        raise
+    took = kind == FD and _kept_fds < ofd_lease.kept_budget()
+    if took:
+        _kept_fds += 1  # kept: this process can forward the segment without a copy
+    else:
+        seg.fd = None
+        if kind == FS:
+            os.close(mapfd)
+    _by_key[key] = seg
     _stats.bump("segments_attached")
     _stats.bump("bytes_attached", size)
-    return anchor, took
+    return seg, took
 
 
 def new_segment(key, kind, size, table_id, slot, own, fd, populate=False) -> Segment:
@@ -692,7 +768,9 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 @atexit.register
 def _at_exit() -> None:
+    global _exiting
     try:
         trim(force=True)
     except Exception:  # never fail interpreter shutdown over a cache
         pass
+    _exiting = True  # as weakref.finalize's own exit hook stops its finalizers

@@ -5,6 +5,8 @@ import errno
 import fcntl
 import gc
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -16,6 +18,7 @@ from shmtensor.ipc import ofd_lease
 from shmtensor import _reductions, _segments
 
 from conftest import JOIN, join_all
+from helpers import send_array
 
 
 # Arrays past SLAB_ITEM_MAX have a segment of their own: the lease of each is the array's
@@ -356,6 +359,63 @@ def test_a_lock_failure_at_the_end_of_a_load_leaks_no_fd(monkeypatch):
     monkeypatch.undo()
     gc.collect()
     assert not [fd for fd in fds if os.path.exists(f"/proc/self/fd/{fd}")]
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_a_one_array_message_whose_hold_fails_leaks_no_fd_and_stays_evictable(lc, monkeypatch):
+    """The receipt of a shared array from another process fails at its hold (no locks):
+    nothing is left open, the new mapping idles in the receive cache (evictable), and the
+    next message of the same segment is received whole."""
+    ctx = smp.get_context("spawn")
+    q, done = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=send_array, args=(q, done))  # ones((5, 5)), sent twice
+    p.start()
+    try:
+        def no_locks(*args):
+            raise OSError(errno.ENOLCK, "no locks available")
+
+        monkeypatch.setattr(ofd_lease, "hold_sole", no_locks)
+        kept, fds = _segments._kept_fds, _open_fds()
+        with pytest.raises(OSError, match="no locks"):
+            q.get(timeout=JOIN)
+        monkeypatch.undo()
+        assert _open_fds() == fds
+        assert _segments._kept_fds == kept
+        idle = [s for s in _segments._cache.values() if not s.alive()]
+        assert len(idle) == 1
+        b = q.get(timeout=JOIN)
+        assert b.shape == (5, 5) and (b == 1).all()
+        assert _segments.segment_of(b) is idle[0]
+        assert idle[0].key not in _segments._cache  # held again
+        del b
+    finally:
+        done.set()
+        join_all(p)
+    assert p.exitcode == 0
+
+
+_EXIT_HOLDING = """
+import shmtensor, shmtensor.multiprocessing as smp
+r, w = smp.Pipe(duplex=False)
+box = [shmtensor.full({n}, 2.0)]
+w.send(box.pop())
+kept = r.recv()                      # held by the message's description at exit
+cycle = [kept[:10]]
+cycle.append(cycle)                  # a view left to the GC at shutdown
+assert kept.sum() == 2.0 * {n}
+"""
+
+
+def test_a_process_exiting_with_received_arrays_alive_exits_quietly():
+    """Anchors that die during interpreter shutdown release nothing (the kernel drops the
+    locks with the process) and report no error."""
+    out = subprocess.run([sys.executable, "-c", _EXIT_HOLDING.format(n=OWN)],
+                         capture_output=True, text=True, timeout=JOIN)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""
 
 
 def _forward_once(qin, qout) -> None:
