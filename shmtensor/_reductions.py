@@ -111,10 +111,12 @@ def _numpy_lane_dumps(a: np.ndarray):
     if seg is None or (seg.kind == FD and seg.fd is None) or a.dtype.hasobject:
         return None
     anchor = seg.anchor()  # kept until sent: keeps the segment (and its memfd) here
-    # no strides for a C-contiguous array: numpy computes them faster than it checks them
+    # strides None: C-contiguous with no axis of length 1 (whose stride the flag ignores),
+    # so the receiver's ndarray computes them, which is faster than checking given ones
+    shape = a.shape
     fields = (seg.key, seg.kind, seg.size, seg.table_id, seg.slot, _ptr(a) - seg.address,
-              a.shape, None if a.flags.c_contiguous else a.strides, _dt(a.dtype),
-              not a.flags.writeable)
+              shape, None if a.flags.c_contiguous and 1 not in shape else a.strides,
+              _dt(a.dtype), not a.flags.writeable)
     _stats.bump("arrays_sent_shared")
     return (NUMPY_LANE + pickle.dumps(fields, pickle.HIGHEST_PROTOCOL),
             LaneContext(anchor, seg.fd if seg.kind == FD else None, seg.table_id, seg.slot))
