@@ -60,6 +60,7 @@ LAYOUTS = {
     "transposed": lambda m: m(np.arange(24.0).reshape(4, 6)).T,
     "strided": lambda m: m(np.arange(60.0).reshape(6, 10))[::2, 1::3],
     "negative": lambda m: m(np.arange(10.0))[::-1],
+    "new-axis": lambda m: m(np.arange(12.0).reshape(3, 4))[:, None, :],  # stride 0, C order
     "offset": lambda m: m(np.arange(10, dtype=np.int16))[3:7],
     "big-endian": lambda m: m(np.arange(6, dtype=">i4")),
     "structured": lambda m: m(np.array([(1, 2.5), (3, 4.5)], dtype=[("a", "<i2"), ("b", ">f8")])),
