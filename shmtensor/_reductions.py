@@ -111,11 +111,12 @@ def _numpy_lane_dumps(a: np.ndarray):
     if seg is None or (seg.kind == FD and seg.fd is None) or a.dtype.hasobject:
         return None
     anchor = seg.anchor()  # kept until sent: keeps the segment (and its memfd) here
-    # strides None: C-contiguous with no axis of length 1 (whose stride the flag ignores),
-    # so the receiver's ndarray computes them, which is faster than checking given ones
+    # strides None: C-contiguous, not empty, with no axis of length 1 (the flag ignores
+    # the strides of those), so the receiver's ndarray computes the very same strides,
+    # which is faster than checking given ones
     shape = a.shape
     fields = (seg.key, seg.kind, seg.size, seg.table_id, seg.slot, _ptr(a) - seg.address,
-              shape, None if a.flags.c_contiguous and 1 not in shape else a.strides,
+              shape, None if a.flags.c_contiguous and a.size and 1 not in shape else a.strides,
               _dt(a.dtype), not a.flags.writeable)
     _stats.bump("arrays_sent_shared")
     return (NUMPY_LANE + pickle.dumps(fields, pickle.HIGHEST_PROTOCOL),

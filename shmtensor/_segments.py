@@ -250,20 +250,23 @@ class _AnchorRef(weakref.ref):
     received message; the segment keeps it (so the callback runs), and it the segment."""
 
     __slots__ = ("seg",)
+    # Set at exit: anchors dying after that release nothing (the kernel drops the locks
+    # with the process).  A class attribute, as everything the callback reaches is bound
+    # to it: module globals are None by the time a module's dict is cleared at shutdown,
+    # and an anchor kept by such a module dies then.
+    exiting = False
 
 
-_exiting = False  # set at exit: dying anchors then release nothing (the kernel will)
-
-
-def _anchor_ref_died(ref: _AnchorRef) -> None:
+def _anchor_ref_died(ref: _AnchorRef, release=ofd_lease.release, now=time.monotonic,
+                     died=_died.put) -> None:
     """A finalizer: release the lease now (other processes may be waiting to reuse the
     segment) and leave the idle bookkeeping to the next call that takes ``_lock``."""
-    if _exiting:
+    if type(ref).exiting:
         return
     seg = ref.seg
-    ofd_lease.release(seg.table_id, seg.slot)
-    seg.idle_since = time.monotonic()
-    _died.put(seg)
+    release(seg.table_id, seg.slot)
+    seg.idle_since = now()
+    died(seg)
 
 
 def _settle() -> bool:
@@ -768,9 +771,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 @atexit.register
 def _at_exit() -> None:
-    global _exiting
     try:
         trim(force=True)
     except Exception:  # never fail interpreter shutdown over a cache
         pass
-    _exiting = True  # as weakref.finalize's own exit hook stops its finalizers
+    _AnchorRef.exiting = True  # as weakref.finalize's own exit hook stops its finalizers

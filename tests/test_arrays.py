@@ -94,6 +94,13 @@ def test_layout_survives(layout, maker, strategy):
         assert b.flags.c_contiguous == a.flags.c_contiguous
 
 
+def test_an_empty_shared_view_keeps_its_strides_alone_and_in_a_container():
+    a = shmtensor.empty((0, 4))[:, ::2]  # C-contiguous by its flags, whatever its strides
+    alone, (inside,) = roundtrip(a), roundtrip([a])
+    assert alone.strides == inside.strides == a.strides
+    assert alone.shape == inside.shape == (0, 2) and shmtensor.is_shared(alone)
+
+
 @pytest.mark.parametrize("maker", sorted(MAKERS))
 def test_readonly_flag_survives(maker):
     a = MAKERS[maker](np.arange(8.0))

@@ -398,6 +398,8 @@ def test_a_one_array_message_whose_hold_fails_leaks_no_fd_and_stays_evictable(lc
 
 
 _EXIT_HOLDING = """
+import os
+import numpy as np
 import shmtensor, shmtensor.multiprocessing as smp
 r, w = smp.Pipe(duplex=False)
 box = [shmtensor.full({n}, 2.0)]
@@ -405,6 +407,8 @@ w.send(box.pop())
 kept = r.recv()                      # held by the message's description at exit
 cycle = [kept[:10]]
 cycle.append(cycle)                  # a view left to the GC at shutdown
+os.KEPT = kept[10:20]                # views kept by modules imported before shmtensor's,
+np.KEPT = shmtensor.zeros(10)        # whose dicts are cleared late in the shutdown
 assert kept.sum() == 2.0 * {n}
 """
 
