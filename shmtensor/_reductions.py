@@ -20,6 +20,7 @@ table file, one in-flight lock description and, for memfds, the segment fds (see
 from __future__ import annotations
 
 import copyreg
+import errno
 import io
 import pickle
 import sys
@@ -328,8 +329,22 @@ def _dump_by_value(obj, undo, first: BaseException | None) -> tuple[bytes, SendC
         raise first from None
 
 
+_RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOLCK)
+
+
 def loads(data, fds: list[int]):
-    """Unpickle a message from a shmtensor channel; closes every fd it did not keep."""
+    """Unpickle a message from a shmtensor channel; closes every fd it did not keep.  A
+    message that cannot be loaded for want of an fd or a lock is lost (it was read off the
+    channel), and the error says so."""
+    try:
+        return _loads(data, fds)
+    except OSError as e:
+        if e.errno not in _RESOURCE_ERRNOS:
+            raise
+        raise OSError(e.errno, f"{e.strerror}; the message was received and discarded") from e
+
+
+def _loads(data, fds: list[int]):
     if not fds:
         return pickle.loads(data)
     if data and data[0] == 0:  # a lane: pickle data starts with PROTO (0x80)
