@@ -26,11 +26,11 @@ FILE_SYSTEM = "file_system"
 _ALL = (FILE_DESCRIPTOR, FILE_SYSTEM) if HAVE_MEMFD else (FILE_SYSTEM,)
 
 # Arrays smaller than this are pickled into the message; larger ones cross through a
-# segment.  Measured crossover on the 2-vCPU machines, since Queue.put sends frames up to
-# 64 KB itself (larger ones wait for the feeder thread): between 64 KB (inline 76 us,
-# segment 86 us) and 128 KB (inline 118 us, segment 94 us), ~82 KB interpolated; see
-# docs/benchmarks.md.
-DEFAULT_INLINE_THRESHOLD = 80 * 1024
+# segment.  Measured crossover on the 2-vCPU machines (2026-11-24, `scripts/bench`'s
+# threshold sweep, twice): between 16 KB (inline 17-31 us, segment 31-46 us) and 64 KB
+# (inline 51-52 us, segment 27-28 us), ~31-34 KB interpolated; see docs/benchmarks.md.
+# (It was ~82-100 KB before a received segment's hold and anchor got cheaper.)
+DEFAULT_INLINE_THRESHOLD = 32 * 1024
 
 # The largest threshold accepted: 256 TiB, the 48-bit virtual address space of x86-64 and
 # aarch64 (4-level page tables).  No array can be larger, so this value already means
