@@ -29,7 +29,7 @@ _ALL = (FILE_DESCRIPTOR, FILE_SYSTEM) if HAVE_MEMFD else (FILE_SYSTEM,)
 # segment.  Measured crossover on the 2-vCPU machines (2026-11-24, `scripts/bench`'s
 # threshold sweep, twice): between 16 KB (inline 17-31 us, segment 31-46 us) and 64 KB
 # (inline 51-52 us, segment 27-28 us), ~31-34 KB interpolated; see docs/benchmarks.md.
-# (It was ~82-100 KB before a received segment's hold and anchor got cheaper.)
+# (It was ~82-100 KB when the segment path took ~90 us at 64 KB.)
 DEFAULT_INLINE_THRESHOLD = 32 * 1024
 
 # The largest threshold accepted: 256 TiB, the 48-bit virtual address space of x86-64 and
