@@ -1,10 +1,13 @@
 """Per-stage wall and CPU time per array of the CUDA relay (a diagnostic for bench_cuda).
 
-``python3 -m benchmarks._profile_relay_stages [--timers] MODE...`` on the GPU machine, MODE
-"ipc" (CuPy's pool, legacy IPC) or "vmm" (shmtensor.cuda.set_allocator()).  Each stage
-reports its own time per array from its ``N0``-th array to its ``N``-th; the forwarder also
-splits its loop into get, copy and put, and with ``--timers`` wraps the library calls on
-its path in timers (each adds about 1 us to what it wraps) and prints them.
+``python3 -m benchmarks._profile_relay_stages [--timers | --cprofile] MODE...`` on the GPU
+machine, MODE "ipc" (CuPy's pool, legacy IPC) or "vmm" (shmtensor.cuda.set_allocator()).
+Each stage reports its own time per array from its ``N0``-th array to its ``N``-th; the
+forwarder also splits its loop into get, copy and put.  With ``--timers`` it wraps the
+library calls on its path in timers (each adds about 1 us to what it wraps) and prints
+them; with ``--cprofile`` it runs its steady part under cProfile and prints the functions
+with the most time of their own, per array (cProfile slows Python calls more than C ones:
+read the counts and the order, not the sum).
 """
 from __future__ import annotations
 
@@ -67,8 +70,24 @@ def send(q, out, e, mode):
     e.wait(600)
 
 
+def _cprofile_text(prof, n: int, top: int = 40) -> str:
+    import pstats
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    text = ""
+    for (file, line, name), (cc, nc, tt, ct, _) in rows:
+        where = f"{file.rsplit('/', 2)[-1]}:{line}" if line else file
+        text += (f"\n    {tt / n * 1e6:6.2f} us own {ct / n * 1e6:6.2f} us cum "
+                 f"{nc / n:5.2f} calls  {name} ({where})")
+    return text
+
+
 def forward(q1, q2, out, e, mode, timers):
     import shmtensor
+    prof = None
+    if timers == "cprofile":
+        import cProfile
+        prof, timers = cProfile.Profile(), False
     spent, calls = _timers() if timers else ({}, collections.Counter())
     _use(mode)
     split = [0.0, 0.0, 0.0]
@@ -78,6 +97,8 @@ def forward(q1, q2, out, e, mode, timers):
             split = [0.0, 0.0, 0.0]
             spent.clear()
             calls.clear()
+            if prof is not None:
+                prof.enable()
         a = time.perf_counter()
         x = q1.get()
         b = time.perf_counter()
@@ -89,6 +110,8 @@ def forward(q1, q2, out, e, mode, timers):
         split[0] += b - a
         split[1] += m - b
         split[2] += time.perf_counter() - m
+    if prof is not None:
+        prof.disable()
     n = N - N0
     info = shmtensor.debug_info()
     text = (f"get {split[0] / n * 1e6:.0f} copy {split[1] / n * 1e6:.0f} put "
@@ -96,6 +119,8 @@ def forward(q1, q2, out, e, mode, timers):
             f"chunks exported {info.get('cuda_exports')}")
     for name, s in sorted(spent.items(), key=lambda kv: -kv[1]):
         text += f"\n    {name:<16} {s / n * 1e6:6.1f} us/array in {calls[name] / n:.2f} calls"
+    if prof is not None:
+        text += _cprofile_text(prof, n)
     out.put(("forwarder", (time.perf_counter() - t) / n, (_cpu() - c) / n, text))
     e.wait(600)
 
@@ -114,7 +139,7 @@ def total(q2, out, e, mode):
     e.wait(600)
 
 
-def main(modes: list[str], timers: bool) -> None:
+def main(modes: list[str], timers: bool | str) -> None:
     import shmtensor.multiprocessing as smp
     ctx = smp.get_context("spawn")
     for mode in modes:
@@ -137,4 +162,4 @@ def main(modes: list[str], timers: bool) -> None:
 
 if __name__ == "__main__":
     main([a for a in sys.argv[1:] if not a.startswith("-")] or ["ipc", "vmm"],
-         "--timers" in sys.argv)
+         "cprofile" if "--cprofile" in sys.argv else "--timers" in sys.argv)

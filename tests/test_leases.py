@@ -470,3 +470,36 @@ def test_a_forwarded_array_stays_held_until_its_last_receiver_lets_go(lc):
         release.set()
         join_all(forwarder, holder)
     assert holder.exitcode == 0
+
+
+def test_unheld_finds_the_free_slots_with_a_probe_per_file_and_probes_within_budget():
+    table = ofd_lease.own_table()
+    slots = [table.new_slot() for _ in range(5 * ofd_lease.SHARDS)]  # five in each file
+    held = {slots[3], slots[17], slots[30]}
+    fds = [ofd_lease.inflight_fd(table.id, (s,)) for s in held]
+    try:
+        assert table.unheld(slots, len(slots)) == set(slots) - held
+        # no probe one by one: a file whose range holds a lock counts as held throughout
+        busy = {s % ofd_lease.SHARDS for s in held}
+        free0 = table.unheld(slots, 0)
+        assert free0 == {s for s in slots if s % ofd_lease.SHARDS not in busy}
+        free2 = table.unheld(slots, 2)  # two probed alone: one or two more found free
+        assert free0 < free2 and len(free2 - free0) <= 2 and free2.isdisjoint(held)
+        assert table.unheld([slots[3]], 1) == set()  # one slot alone: probed by itself
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert table.unheld(slots, 0) == set(slots)
+
+
+def test_release_many_lets_go_of_each_hold_once_and_of_the_lock_with_the_last():
+    table = ofd_lease.own_table()
+    a, b = table.new_slot(), table.new_slot()
+    for slot in (a, a, b):
+        ofd_lease.hold(table.id, slot)
+    assert table.is_held(a) and table.is_held(b)
+    ofd_lease.release_many(table.id, [a, b])
+    assert table.is_held(a) and not table.is_held(b)  # a was held twice
+    ofd_lease.release_many(table.id, [a])
+    assert not table.is_held(a)
+    ofd_lease.release_many("no-such-table", [a])  # a table never held here: nothing to do

@@ -38,7 +38,7 @@ def lane_dumps(arr):
     mem = arr.data.mem
     owner = _owner(cp, mem)
     if isinstance(owner, _vmm.SHARED_OWNERS):
-        return _vmm.lane_dumps(arr)
+        return _vmm.lane_dumps(cp, arr, mem, owner)
     _release.poll()
     return _ipc.lane_dumps(cp, arr, mem, owner)
 

@@ -50,8 +50,9 @@ _r = _Releases()
 
 
 def enqueue(device: int, table_id: str, slot: int, done=None) -> None:
-    """From a finalizer: release ``(table_id, slot)`` (then call ``done``) once the work this
-    thread queued on ``device``'s current stream is done.  Takes no lock."""
+    """From a finalizer: release ``(table_id, slot)`` once the work this thread queued on
+    ``device``'s current stream is done, then call ``done(n)``: ``n`` releases that
+    gave the same ``done`` object are reported in one call.  Takes no lock."""
     try:
         cp = _device._cp
         stream = cp.cuda.get_current_stream(device)  # kept alive until the drain records
@@ -156,13 +157,24 @@ def _release_now(device: int | None, leases: list) -> None:
                 cp.cuda.Device(device).synchronize()
         except Exception:  # the driver is going away: dying releases anyway
             pass
+    # grouped: one take of each holding's lock, one call of each ``done`` with its count
+    slots: dict[str, list] = {}
+    dones: dict = {}
     for table_id, slot, done in leases:
-        ofd_lease.release(table_id, slot)
+        group = slots.get(table_id)
+        if group is None:
+            slots[table_id] = [slot]
+        else:
+            group.append(slot)
         if done is not None:
-            try:
-                done()
-            except Exception:  # shutting down
-                pass
+            dones[done] = dones.get(done, 0) + 1
+    for table_id, group in slots.items():
+        ofd_lease.release_many(table_id, group)
+    for done, n in dones.items():
+        try:
+            done(n)
+        except Exception:  # shutting down
+            pass
 
 
 def _releaser(r: _Releases) -> None:

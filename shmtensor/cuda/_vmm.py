@@ -34,7 +34,8 @@ from . import _device, _events, _release
 
 SMALL_MAX = 1 << 20         # requests up to this many bytes share slabs
 MIN_BLOCK = 512             # smallest block (CuPy's own pool rounds to 512 B too)
-PROBE = 16                  # held blocks probed per allocation before making a new slab
+RECLAIM = 64                # held blocks looked at together for reuse (see _reclaim)
+PROBE = 16                  # of those, probed one by one at most, before making a new slab
 MAPPED_IDLE_LIMIT = 64      # idle slabs of other processes kept mapped (each keeps an fd)
 MAPPED_IDLE_BYTES = 1 << 30
 
@@ -56,9 +57,10 @@ class _Mapped:
 
 
 class _Slab(_Mapped):
-    """One VMM allocation made here, cut into blocks of ``block`` bytes."""
+    """One VMM allocation made here, cut into blocks of ``block`` bytes; ``table_id``: this
+    process's lease table, whose slots its blocks get."""
 
-    __slots__ = ("block", "slots", "live")
+    __slots__ = ("block", "slots", "live", "table_id")
 
 
 class _SlabMap(_Mapped):
@@ -142,7 +144,8 @@ def _new_slab(cp, device: int, block: int) -> "_Slab":
     with _lock:
         _serial += 1
         serial = _serial
-    s.key = f"{ofd_lease.own_table().id}.{serial}"
+    s.table_id = ofd_lease.own_table().id
+    s.key = f"{s.table_id}.{serial}"
     s.device, s.bus_id, s.ptr, s.size, s.fd, s.block = (device, _ready[device], ptr, size,
                                                           fd, block)
     s.slots = [0] * (size // block)
@@ -158,17 +161,27 @@ def _add_slab(s: "_Slab", key: tuple) -> None:
 
 
 def _reclaim(key: tuple):
-    """A block freed here earlier whose lease nobody holds any more, or None."""
+    """A block freed here earlier whose lease nobody holds any more, or None (caller holds
+    ``_lock``).  The oldest ``RECLAIM`` held blocks are looked at together (see
+    ``LeaseTable.unheld``); those found free wait in ``_free`` for the next allocations."""
     held = _held.get(key)
     if not held:
         return None
-    table = ofd_lease.own_table()
-    for _ in range(min(PROBE, len(held))):
-        slab, i = held.popleft()
-        if not table.is_held(slab.slots[i]):
-            return slab, i
-        held.append((slab, i))
-    return None
+    batch = [held.popleft() for _ in range(min(RECLAIM, len(held)))]
+    free = ofd_lease.own_table().unheld([slab.slots[i] for slab, i in batch], PROBE)
+    ready = _free.get(key)
+    if ready is None:
+        ready = _free[key] = []
+    for slab, i in reversed(batch):  # the oldest last: popped first
+        if slab.slots[i] in free:
+            ready.append((slab, i))
+            slab.live -= 1
+    held.extend(entry for entry in batch if entry[0].slots[entry[1]] not in free)
+    if not ready:
+        return None
+    found = ready.pop()
+    found[0].live += 1
+    return found
 
 
 def _take_freed() -> None:
@@ -236,7 +249,7 @@ def reduce_array(cp, arr, mem, owner):
     """An array on shared memory: its slab (whose fd travels once per message), its place in
     it, and its block's lease (this process's, or the producer's when forwarding)."""
     if isinstance(owner, _Block):
-        slab, table_id, slot = owner.slab, ofd_lease.own_table().id, _slot_of(owner)
+        slab, table_id, slot = owner.slab, owner.slab.table_id, _slot_of(owner)
     else:
         slab, table_id, slot = owner.slab, owner.table_id, owner.slot
     # the array kept alive with the message keeps the slab's fd open until it is sent: a
@@ -364,25 +377,20 @@ def _rebuild_array(key, bus_id, size, fd_i, offset, shape, strides, dtype, table
 LANE = b"\0V"
 
 
-def lane_dumps(arr):
-    """``arr`` alone as a message ``(payload, LaneContext)``, or None when it is not on a
-    slab, or not on the current device."""
-    data = arr.data
-    mem = data.mem
-    owner = getattr(mem, "_owner", None)
-    kind = type(owner)
-    if kind is _Block:
+def lane_dumps(cp, arr, mem, owner):
+    """``arr`` alone as a message ``(payload, LaneContext)``, or None when it is not on the
+    current device; ``mem``/``owner``: its memory and that memory's owner, one of
+    ``SHARED_OWNERS`` (the caller checked CuPy and the fork first)."""
+    if type(owner) is _Block:
         slab = owner.slab
         slot = slab.slots[owner.index] or _slot_of(owner)
-        table_id = ofd_lease.own_table().id
-    elif kind is _VUse:
-        slab, table_id, slot = owner.slab, owner.table_id, owner.slot
+        table_id = slab.table_id
     else:
-        return None
-    cp = _device._cp
-    if cuda_ipc.bad_fork() or cp.cuda.runtime.getDevice() != slab.device:
-        return None  # the general path says what is wrong, or switches devices
-    ev = _events.order_now(cp, slab.device, cp.cuda.get_current_stream())
+        slab, table_id, slot = owner.slab, owner.table_id, owner.slot
+    device = slab.device
+    if cp.cuda.runtime.getDevice() != device:
+        return None  # the general path switches devices
+    ev = _events.order_now(cp, device, cp.cuda.get_current_stream())
     # strides None: C-contiguous with no axis of length 1 (whose stride CuPy's flag
     # ignores), so the receiver's ndarray may compute them, which is faster than checking
     shape = arr.shape
@@ -391,7 +399,7 @@ def lane_dumps(arr):
     dts = _dtype_strs.get(dtype)
     if dts is None:
         dts = _dtype_strs[dtype] = dtype.str
-    fields = (slab.key, slab.bus_id, slab.size, data.ptr - slab.ptr, shape, strides, dts,
+    fields = (slab.key, slab.bus_id, slab.size, arr.data.ptr - slab.ptr, shape, strides, dts,
               table_id, slot, ev)
     # the array's memory, kept until sent, keeps the slab's fd open (see reduce_array)
     return (LANE + pickle.dumps(fields, pickle.HIGHEST_PROTOCOL),
@@ -447,9 +455,10 @@ def lane_loads(data, fds: list[int]):
         close_fds(fds)
 
 
-def _map_released(m: _SlabMap) -> None:
+def _map_released(m: _SlabMap, n: int) -> None:
+    """``n`` uses of ``m`` were released (from a drain, not a finalizer)."""
     with _lock:
-        m.users -= 1
+        m.users -= n
         # Idle mappings no larger than BYTES / LIMIT can only break the byte limit by
         # breaking the count limit first: only a larger one needs a look at once.
         if len(_maps) > MAPPED_IDLE_LIMIT or m.size > MAPPED_IDLE_BYTES // MAPPED_IDLE_LIMIT:

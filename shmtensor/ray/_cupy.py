@@ -139,14 +139,14 @@ class _Use:
                          partial(_closed_one, self.h.ipc_handle, self.device))
 
 
-def _closed_one(handle: bytes, device: int) -> None:
-    """A use of ``handle`` was released (from a drain, not a finalizer): close the handle
-    with the last one."""
+def _closed_one(handle: bytes, device: int, n: int) -> None:
+    """``n`` uses of ``handle`` were released (from a drain, not a finalizer): close the
+    handle with the last one."""
     with _lock:
         entry = _opened.get(handle)
         if entry is None:
             return
-        entry[1] -= 1
+        entry[1] -= n
         if entry[1] > 0:
             return
         del _opened[handle]
