@@ -276,8 +276,8 @@ def sendable(table_id: str, slot: int) -> int:
     its own fd closed with it.  A ``dup`` costs no open and no lock; it is made under the
     holding's lock, which every release takes first."""
     h = _holdings.get(table_id)
-    if h is None:
-        return -1
+    if h is None or slot not in h.by:  # unlocked look first: a miss costs a new description
+        return -1                       # at worst, never a wrong one
     with h.lock:
         fd = h.by.get(slot)
         if fd is None:

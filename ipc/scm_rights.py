@@ -81,12 +81,14 @@ def try_send_frame(sock: socket.socket, data, fds=()) -> bool:
     n = len(data)
     if len(fds) > MAX_FDS or n + _WITH_FDS.size > ATOMIC_MAX:
         return False
-    header = _header(n, fds)
+    # _header's compact forms: n is under 32 KiB here
+    header = _SMALL.pack(-3 - (n << 8 | len(fds)) if fds else n)
     try:
         sent = sock.sendmsg([header, data], _anc(fds), _DONTWAIT)
     except BlockingIOError:
         return False
-    _finish(sock, header, data, sent)  # not expected: a frame this small goes whole
+    if sent != n + 4:
+        _finish(sock, header, data, sent)  # not expected: a frame this small goes whole
     return True
 
 

@@ -280,9 +280,8 @@ def _mapping(key: str, bus_id: str, size: int, fd: int) -> tuple[_Mapped, bool]:
     if s is not None:  # back where it was made: this process's own mapping
         return s, False
     m = _maps.get(key)
-    if m is not None:
+    if m is not None:  # its place in the LRU order is set when it falls idle
         m.users += 1
-        _maps.move_to_end(key)
         return m, False
     device = _device.local_device(_device.cupy(), bus_id)
     handle = cuda_vmm.import_fd(device, fd)
@@ -459,6 +458,8 @@ def _map_released(m: _SlabMap, n: int) -> None:
     """``n`` uses of ``m`` were released (from a drain, not a finalizer)."""
     with _lock:
         m.users -= n
+        if m.users == 0 and _maps.get(m.key) is m:
+            _maps.move_to_end(m.key)  # the most recently idle: evicted last
         # Idle mappings no larger than BYTES / LIMIT can only break the byte limit by
         # breaking the count limit first: only a larger one needs a look at once.
         if len(_maps) > MAPPED_IDLE_LIMIT or m.size > MAPPED_IDLE_BYTES // MAPPED_IDLE_LIMIT:
