@@ -419,9 +419,13 @@ def lane_loads(data, fds: list[int]):
         with _lock:
             s = _slabs.get(key)
             if s is None:  # another process's slab: mapped, and pinned, which is the use's count
-                s, took = _mapping(key, bus_id, size, fds[0])
-                if took:
-                    fds[0] = -1
+                s = _maps.get(key)
+                if s is not None:  # _mapping's first case, the common one, inline
+                    s.users += 1
+                else:
+                    s, took = _mapping(key, bus_id, size, fds[0])
+                    if took:
+                        fds[0] = -1
                 try:
                     kept = ofd_lease.hold_sole(table_id, slot, fds[1])
                 except BaseException:
