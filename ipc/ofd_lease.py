@@ -46,10 +46,10 @@ from .posix_shm import PREFIX, fd_limit_error, process_tag
 from .scm_rights import close_fds
 
 __all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "hold_sole",
-           "lock_shared",
-           "establish", "release", "release_many", "inflight_fd", "sendable", "kept_budget", "probe_held",
-           "forget_idle", "shed_kept", "retry_after_shedding", "own_fds", "table_count",
-           "before_fork", "after_fork_in_parent", "after_fork_in_child"]
+           "lock_shared", "establish", "release", "release_many", "inflight_fd", "sendable",
+           "kept_budget", "probe_held", "forget_idle", "shed_kept", "retry_after_shedding",
+           "own_fds", "table_count", "before_fork", "after_fork_in_parent",
+           "after_fork_in_child"]
 
 HAVE_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")
 _SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
