@@ -81,8 +81,7 @@ def try_send_frame(sock: socket.socket, data, fds=()) -> bool:
     n = len(data)
     if len(fds) > MAX_FDS or n + _WITH_FDS.size > ATOMIC_MAX:
         return False
-    # _header's compact forms: n is under 32 KiB here
-    header = _SMALL.pack(-3 - (n << 8 | len(fds)) if fds else n)
+    header = _header(n, fds)
     try:
         sent = sock.sendmsg([header, data], _anc(fds), _DONTWAIT)
     except BlockingIOError:

@@ -172,11 +172,14 @@ def _reclaim(key: tuple):
     ready = _free.get(key)
     if ready is None:
         ready = _free[key] = []
+    still = []
     for slab, i in reversed(batch):  # the oldest last: popped first
         if slab.slots[i] in free:
             ready.append((slab, i))
             slab.live -= 1
-    held.extend(entry for entry in batch if entry[0].slots[entry[1]] not in free)
+        else:
+            still.append((slab, i))
+    held.extend(reversed(still))  # in their order, behind the younger ones
     if not ready:
         return None
     found = ready.pop()
@@ -419,13 +422,9 @@ def lane_loads(data, fds: list[int]):
         with _lock:
             s = _slabs.get(key)
             if s is None:  # another process's slab: mapped, and pinned, which is the use's count
-                s = _maps.get(key)
-                if s is not None:  # _mapping's first case, the common one, inline
-                    s.users += 1
-                else:
-                    s, took = _mapping(key, bus_id, size, fds[0])
-                    if took:
-                        fds[0] = -1
+                s, took = _mapping(key, bus_id, size, fds[0])
+                if took:
+                    fds[0] = -1
                 try:
                     kept = ofd_lease.hold_sole(table_id, slot, fds[1])
                 except BaseException:
