@@ -32,6 +32,10 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _sys() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
+
+
 def _use(mode: str) -> None:
     if mode == "vmm":
         import shmtensor.cuda
@@ -93,7 +97,7 @@ def forward(q1, q2, out, e, mode, timers):
     split = [0.0, 0.0, 0.0]
     for i in range(N):
         if i == N0:
-            t, c = time.perf_counter(), _cpu()
+            t, c, k = time.perf_counter(), _cpu(), _sys()
             split = [0.0, 0.0, 0.0]
             spent.clear()
             calls.clear()
@@ -114,7 +118,8 @@ def forward(q1, q2, out, e, mode, timers):
         prof.disable()
     n = N - N0
     info = shmtensor.debug_info()
-    text = (f"get {split[0] / n * 1e6:.0f} copy {split[1] / n * 1e6:.0f} put "
+    text = (f"(system {(_sys() - k) / n * 1e6:.0f} us) "
+            f"get {split[0] / n * 1e6:.0f} copy {split[1] / n * 1e6:.0f} put "
             f"{split[2] / n * 1e6:.0f} us; handles open {info.get('cuda_opened')}, "
             f"chunks exported {info.get('cuda_exports')}")
     for name, s in sorted(spent.items(), key=lambda kv: -kv[1]):

@@ -25,9 +25,10 @@ import array
 import os
 import socket
 import struct
+import time
 
 __all__ = ["HAVE_SCM_RIGHTS", "MAX_FDS", "ATOMIC_MAX", "send_frame", "try_send_frame",
-           "recv_frame", "close_fds"]
+           "recv_frame", "SpinWait", "close_fds"]
 
 HAVE_SCM_RIGHTS = hasattr(socket, "SCM_RIGHTS") and hasattr(socket.socket, "sendmsg")
 MAX_FDS = 253
@@ -143,9 +144,51 @@ def _recv_exact_msg(sock, size: int, fds: list, dropped: list) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def recv_frame(sock: socket.socket) -> tuple[bytes, list[int]]:
-    """Receive one frame: ``(payload, fds)``; the caller owns (and must close) the fds."""
-    head, ancdata, flags, _ = sock.recvmsg(4, _ANC_SIZE, _RECV_FLAGS)
+class SpinWait:
+    """How one reader waits for a frame: it polls the socket for up to ``budget`` seconds
+    before it sleeps in ``recvmsg``, while its last wait was no longer than that (``hot``).
+
+    A reader that waited longer sleeps at once next time (and learns again from how long
+    that took), so a reader kept idle burns no CPU, and one that keeps up with a busy
+    writer spares the writer the wake-up.  Polls are non-blocking ``recvmsg`` calls: the
+    GIL is let go between them.  Adaptive state only, not a lock: a reader's waits are
+    serialised by the caller (a queue's read lock), and a race costs at most one poll."""
+
+    __slots__ = ("budget", "hot")
+
+    def __init__(self, budget: float) -> None:
+        self.budget = budget
+        self.hot = True
+
+    def read_head(self, sock: socket.socket):
+        """The first read of a frame, as ``recvmsg(4, ...)`` gives it."""
+        clock = time.perf_counter
+        if self.hot:
+            try:
+                return sock.recvmsg(4, _ANC_SIZE, _RECV_FLAGS | _DONTWAIT)
+            except BlockingIOError:
+                pass
+            deadline = clock() + self.budget
+            while clock() < deadline:
+                try:
+                    return sock.recvmsg(4, _ANC_SIZE, _RECV_FLAGS | _DONTWAIT)
+                except BlockingIOError:
+                    pass
+            self.hot = False  # waited past the budget: sleep at once next time
+            return sock.recvmsg(4, _ANC_SIZE, _RECV_FLAGS)
+        start = clock()
+        got = sock.recvmsg(4, _ANC_SIZE, _RECV_FLAGS)
+        self.hot = clock() - start <= self.budget
+        return got
+
+
+def recv_frame(sock: socket.socket, wait: SpinWait | None = None) -> tuple[bytes, list[int]]:
+    """Receive one frame: ``(payload, fds)``; the caller owns (and must close) the fds.
+    ``wait``: the reader's :class:`SpinWait`, if it spins before sleeping."""
+    if wait is None:
+        head, ancdata, flags, _ = sock.recvmsg(4, _ANC_SIZE, _RECV_FLAGS)
+    else:
+        head, ancdata, flags, _ = wait.read_head(sock)
     if len(head) == 4 and len(ancdata) == 1 and not flags & _MSG_CTRUNC:
         # the common small frame with fds (one SCM_RIGHTS message, compact header)
         code = _SMALL.unpack(head)[0]

@@ -18,14 +18,15 @@ from shmtensor.ipc.posix_shm import ShmSpaceError
 from . import _registry, _stats
 from . import cuda as _cuda  # noqa: F401 (registers CuPy's reducers, for when CuPy is imported)
 from . import _torch  # noqa: F401 (registers torch's reducers, for when torch is imported)
-from ._strategy import (get_all_sharing_strategies, get_inline_threshold,
-                        get_sharing_strategy, set_inline_threshold, set_sharing_strategy)
+from ._strategy import (get_all_sharing_strategies, get_inline_threshold, get_receive_spin,
+                        get_sharing_strategy, set_inline_threshold, set_receive_spin,
+                        set_sharing_strategy)
 
 __version__ = "0.1.0"
 __all__ = ["empty", "zeros", "ones", "full", "empty_like", "zeros_like", "share_memory",
            "is_shared", "set_sharing_strategy", "get_sharing_strategy",
            "get_all_sharing_strategies", "set_inline_threshold", "get_inline_threshold",
-           "empty_cache", "debug_info", "ShmSpaceError", "BatchPool"]
+           "set_receive_spin", "get_receive_spin", "empty_cache", "debug_info", "ShmSpaceError", "BatchPool"]
 
 _LAZY = {name: "._alloc" for name in ("empty", "zeros", "ones", "full", "empty_like",
                                      "zeros_like", "share_memory", "is_shared")}

@@ -25,7 +25,7 @@ from multiprocessing import reduction
 
 from shmtensor.ipc import scm_rights
 
-from . import _reductions
+from . import _reductions, _strategy
 
 __all__ = ["Connection", "Pipe", "send_error"]
 
@@ -96,6 +96,7 @@ class Connection(_mpc.Connection):
         super().__init__(handle, readable, writable)
         self._sock = socket.socket(fileno=handle)
         self._sock.settimeout(None)  # not socket.setdefaulttimeout()'s: the stdlib's ignores it
+        self._wait = _strategy.receive_wait() if readable else None  # see set_receive_spin
 
     def __reduce__(self):
         return _rebuild_connection, (reduction.DupFd(self.fileno()), self.readable, self.writable)
@@ -118,7 +119,7 @@ class Connection(_mpc.Connection):
         """One message as the stdlib's ``_recv_bytes`` gives it: a BytesIO positioned at its
         end (``recv_bytes_into`` reads the size from ``tell()``), or None when it is longer
         than ``maxsize`` (``recv_bytes`` then says "bad message length")."""
-        buf, fds = scm_rights.recv_frame(self._sock)
+        buf, fds = scm_rights.recv_frame(self._sock, self._wait)
         scm_rights.close_fds(fds)
         if maxsize is not None and len(buf) > maxsize:
             return None
@@ -140,7 +141,7 @@ class Connection(_mpc.Connection):
     def recv_frame(self):
         self._check_closed()
         self._check_readable()
-        return scm_rights.recv_frame(self._sock)
+        return scm_rights.recv_frame(self._sock, self._wait)
 
     def send(self, obj) -> None:
         """Send a picklable object; arrays in it cross through shared memory."""

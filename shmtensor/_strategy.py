@@ -1,6 +1,7 @@
-"""Sharing strategies and the inline threshold: process-wide settings with set/get verbs.
+"""Sharing strategies, the inline threshold and the receive spin: process-wide settings with
+set/get verbs.
 
-Both start from the environment, checked when shmtensor is imported (a bad value fails the
+All start from the environment, checked when shmtensor is imported (a bad value fails the
 import with an error naming the variable and what it accepts, rather than failing later
 in a finalizer):
 
@@ -9,6 +10,8 @@ in a finalizer):
   case-insensitive: ``81920``, ``80k`` / ``80KiB`` (x 1024), ``1M`` / ``1MiB``,
   ``1G`` / ``1GiB``.  Decimal units (``80KB``, ``80kB``) are refused: whether they mean
   1000 or 1024 is a guess this setting does not make.
+* ``SHMTENSOR_RECEIVE_SPIN_US``: microseconds (digits, 0 to 10000) a reader polls its
+  channel before it sleeps; 0 never polls.
 
 An empty variable counts as unset.
 """
@@ -20,6 +23,7 @@ import os
 import re
 
 from shmtensor.ipc.posix_shm import HAVE_MEMFD
+from shmtensor.ipc.scm_rights import SpinWait
 
 FILE_DESCRIPTOR = "file_descriptor"
 FILE_SYSTEM = "file_system"
@@ -41,6 +45,34 @@ _SUFFIXES = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
              "g": 1 << 30, "gib": 1 << 30}
 _SIZE = re.compile(r"\s*(\d+)\s*([a-z]*)\s*", re.IGNORECASE)
 _SIZE_FORMS = "bytes as digits, optionally with a binary suffix: 81920, 80k, 80KiB, 1M, 1GiB"
+
+
+# How long a reader (Queue.get, SimpleQueue.get, Connection.recv) polls its socket before it
+# sleeps, while its previous wait was no longer (ipc.scm_rights.SpinWait).  A writer whose
+# reader sleeps pays the wake-up in its send: 3-4 us here, more where waking another CPU
+# leaves the VM; a relay's middle stage, whose reader is always just behind, spends that
+# on every message.  Polling burns the reader's CPU while it waits, so it is on by default
+# only with 4 or more CPUs to run on (not on the 2-vCPU machines, where a polling reader
+# would take a CPU from the writer it waits for).
+MAX_RECEIVE_SPIN_US = 10_000
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+DEFAULT_RECEIVE_SPIN_US = 100 if _cpus() >= 4 else 0
+
+
+def _check_spin(us: int, where: str) -> int:
+    if us < 0 or us > MAX_RECEIVE_SPIN_US:
+        raise ValueError(f"{where}{us} is out of range: the receive spin is a whole number of "
+                         f"microseconds from 0 (never poll: sleep until a message comes) to "
+                         f"{MAX_RECEIVE_SPIN_US} (10 ms)")
+    return us
 
 
 def _strategy_error(strategy: object, where: str) -> ValueError:
@@ -67,17 +99,27 @@ def parse_size(text: str, where: str = "") -> int:
     return _check_threshold(int(m.group(1)) * factor, where)
 
 
-def _from_env() -> tuple[str, int]:
+def _spin_from_env() -> int:
+    raw = os.environ.get("SHMTENSOR_RECEIVE_SPIN_US")
+    if not raw or not raw.strip():
+        return DEFAULT_RECEIVE_SPIN_US
+    if not raw.strip().isdigit():
+        raise ValueError(f"SHMTENSOR_RECEIVE_SPIN_US={raw!r} is not a number of microseconds: "
+                         f"write digits alone, from 0 (never poll) to {MAX_RECEIVE_SPIN_US}")
+    return _check_spin(int(raw), "SHMTENSOR_RECEIVE_SPIN_US=")
+
+
+def _from_env() -> tuple[str, int, int]:
     strategy = os.environ.get("SHMTENSOR_SHARING_STRATEGY") or _ALL[0]
     if strategy not in _ALL:
         raise _strategy_error(strategy, "SHMTENSOR_SHARING_STRATEGY=")
     raw = os.environ.get("SHMTENSOR_INLINE_THRESHOLD")
     threshold = (parse_size(raw, "SHMTENSOR_INLINE_THRESHOLD=") if raw and raw.strip()
                  else DEFAULT_INLINE_THRESHOLD)
-    return strategy, threshold
+    return strategy, threshold, _spin_from_env()
 
 
-_strategy, _inline_threshold = _from_env()
+_strategy, _inline_threshold, _receive_spin_us = _from_env()
 
 
 def get_all_sharing_strategies() -> set[str]:
@@ -117,3 +159,29 @@ def set_inline_threshold(nbytes: int) -> None:
         raise TypeError(f"the inline threshold is an int number of bytes, got "
                         f"{type(nbytes).__name__} {nbytes!r}") from None
     _inline_threshold = _check_threshold(nbytes, "inline threshold ")
+
+
+def get_receive_spin() -> int:
+    """Microseconds a reader polls its channel before it sleeps (0: never)."""
+    return _receive_spin_us
+
+
+def set_receive_spin(microseconds: int) -> None:
+    """How long a reader (``Queue.get``, ``SimpleQueue.get``, ``Connection.recv``) polls its
+    channel before it sleeps, while its previous wait was no longer: a writer then need not
+    wake it.  0 never polls.  Applies to channels opened (or received) after the call."""
+    global _receive_spin_us
+    if isinstance(microseconds, bool):
+        raise TypeError(f"the receive spin is a number of microseconds, not a bool "
+                        f"({microseconds!r}): pass an int such as 100, or 0 to turn it off")
+    try:
+        microseconds = operator.index(microseconds)
+    except TypeError:
+        raise TypeError(f"the receive spin is an int number of microseconds, got "
+                        f"{type(microseconds).__name__} {microseconds!r}") from None
+    _receive_spin_us = _check_spin(microseconds, "receive spin ")
+
+
+def receive_wait() -> SpinWait | None:
+    """A new reader's way of waiting under the current setting (None: it sleeps at once)."""
+    return SpinWait(_receive_spin_us * 1e-6) if _receive_spin_us else None

@@ -266,3 +266,12 @@ def keep_sent_segments_until_out_of_fds(out, limit, size):
     held = all(table.is_held(_segments.segment_of(a).slot) for a in kept)
     out.put((len(kept), start, error, intact, held, ofd_lease._kept, ofd_lease.kept_budget(),
              child.exitcode))
+
+
+def relay_sums_with_spin(inq, outq, n):
+    """Sum each array of ``n`` received, and say how this child's reader waits."""
+    import shmtensor
+    wait = inq._reader._wait
+    outq.put((shmtensor.get_receive_spin(), None if wait is None else wait.budget))
+    for _ in range(n):
+        outq.put(int(inq.get().sum()))

@@ -41,8 +41,10 @@ def _same_file(a: int, b: int) -> bool:
     return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
-def test_every_header_form_in_one_stream(pair):
+@pytest.mark.parametrize("spin", [None, 0.05], ids=["sleeps", "spins"])
+def test_every_header_form_in_one_stream(pair, spin):
     a, b = pair
+    wait = None if spin is None else scm_rights.SpinWait(spin)
     sent = _files(300)
     compact_max = scm_rights._COMPACT_MAX
     frames = [
@@ -57,7 +59,7 @@ def test_every_header_form_in_one_stream(pair):
     th = _send_in_thread(a, frames)
     try:
         for data, fds in frames:
-            got, got_fds = scm_rights.recv_frame(b)
+            got, got_fds = scm_rights.recv_frame(b, wait)
             try:
                 assert bytes(got) == data
                 assert len(got_fds) == len(fds)
@@ -134,3 +136,71 @@ def test_a_small_frame_with_fds_that_arrives_in_pieces():
         scm_rights.close_fds(fds)
         a.close()
         b.close()
+
+
+def test_a_spinning_reader_catches_a_frame_sent_while_it_polls(pair):
+    a, b = pair
+    wait = scm_rights.SpinWait(30.0)  # a budget no test waits out: the poll must catch it
+    (fd,) = _files(1)
+    polling = threading.Event()
+    real = b.recvmsg
+
+    class Watched:  # a socket whose first poll that finds nothing says so
+        def recvmsg(self, *args):
+            try:
+                return real(*args)
+            except BlockingIOError:
+                polling.set()
+                raise
+
+    def send():  # sends even if no poll came (then the test fails, not hangs)
+        polling.wait(10)
+        scm_rights.send_frame(a, b"caught", [fd])
+
+    th = threading.Thread(target=send)
+    th.start()
+    try:
+        head = wait.read_head(Watched())
+        th.join(30)
+        assert not th.is_alive() and polling.is_set()
+        assert head[0] == struct.pack("!i", -3 - (6 << 8 | 1)) and len(head[1]) == 1
+        assert wait.hot  # caught within the budget: it polls again next time
+        rest = b.recv(64)
+        assert rest == b"caught"
+        scm_rights.close_fds(struct.unpack("i", head[1][0][2]))
+    finally:
+        os.close(fd)
+
+
+def test_a_reader_that_waited_past_its_budget_sleeps_next_time_then_learns_again(pair):
+    a, b = pair
+    wait = scm_rights.SpinWait(0.0005)
+    sent = threading.Event()
+
+    def later():
+        sent.wait(30)
+        scm_rights.send_frame(a, b"late")
+
+    th = threading.Thread(target=later)
+    th.start()
+    timer = threading.Timer(0.05, sent.set)  # well past the budget: the reader must sleep
+    timer.start()
+    try:
+        got, fds = scm_rights.recv_frame(b, wait)
+    finally:
+        th.join(30)
+        timer.join(30)
+    assert bytes(got) == b"late" and fds == [] and not wait.hot
+    scm_rights.send_frame(a, b"ready")  # there before the read: a short wait
+    got, _ = scm_rights.recv_frame(b, wait)
+    assert bytes(got) == b"ready" and wait.hot
+
+
+def test_a_spinning_reader_sees_the_end_of_the_stream(pair):
+    a, b = pair
+    wait = scm_rights.SpinWait(0.05)
+    scm_rights.send_frame(a, b"last")
+    a.shutdown(socket.SHUT_WR)
+    assert bytes(scm_rights.recv_frame(b, wait)[0]) == b"last"
+    with pytest.raises(EOFError):
+        scm_rights.recv_frame(b, wait)

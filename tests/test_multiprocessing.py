@@ -280,3 +280,30 @@ def test_queue_close_without_a_feeder_thread_closes_its_socket():
     q.close()
     q.join_thread()
     assert q._reader.closed and q._writer.closed
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_a_child_reads_with_its_parents_receive_spin_and_misses_nothing(start_method, lc):
+    # The reader polls before it sleeps (with its parent's setting): messages sent while it
+    # polls, or while it sleeps between chunks, arrive whole and in order, with their arrays.
+    prev = shmtensor.get_receive_spin()
+    shmtensor.set_receive_spin(3000)
+    try:
+        ctx = smp.get_context(start_method)
+        inq, outq = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=helpers.relay_sums_with_spin, args=(inq, outq, 300))
+        p.start()
+        lc.check_pid(p.pid)
+        assert outq.get(timeout=JOIN) == (3000, pytest.approx(3e-3))
+        for start in range(0, 300, 50):  # in chunks: the reader waits between them
+            for i in range(start, start + 50):
+                inq.put(shmtensor.full((1000,), i, dtype=np.int64) if i % 2 else
+                        np.full(1000, i, dtype=np.int64))
+            got = [outq.get(timeout=JOIN) for _ in range(50)]
+            assert got == [1000 * i for i in range(start, start + 50)]
+        join_all(p)
+        assert p.exitcode == 0
+        inq.close()
+        outq.close()
+    finally:
+        shmtensor.set_receive_spin(prev)

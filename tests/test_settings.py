@@ -18,8 +18,8 @@ def import_with(**env) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if not k.startswith("SHMTENSOR_")}
     full.update(env)
     return subprocess.run(
-        [sys.executable, "-c", "import shmtensor as s; "
-                               "print(s.get_sharing_strategy(), s.get_inline_threshold())"],
+        [sys.executable, "-c", "import shmtensor as s; print(s.get_sharing_strategy(), "
+                               "s.get_inline_threshold(), s.get_receive_spin())"],
         env=full, capture_output=True, text=True, timeout=60)
 
 
@@ -44,10 +44,12 @@ def test_valid_sharing_strategy_from_the_environment(strategy):
 
 
 def test_empty_variables_count_as_unset():
-    r = import_with(SHMTENSOR_SHARING_STRATEGY="", SHMTENSOR_INLINE_THRESHOLD="")
+    r = import_with(SHMTENSOR_SHARING_STRATEGY="", SHMTENSOR_INLINE_THRESHOLD="",
+                    SHMTENSOR_RECEIVE_SPIN_US="")
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [sorted(_strategy._ALL)[0],
-                                str(_strategy.DEFAULT_INLINE_THRESHOLD)]
+                                str(_strategy.DEFAULT_INLINE_THRESHOLD),
+                                str(_strategy.DEFAULT_RECEIVE_SPIN_US)]
 
 
 @pytest.mark.parametrize("value, nbytes", [("81920", 81920), ("80k", 80 << 10),
@@ -73,6 +75,62 @@ def test_huge_inline_threshold_from_the_environment_is_refused():
     r = import_with(SHMTENSOR_INLINE_THRESHOLD=str(2 ** 70))
     assert r.returncode != 0
     assert "out of range" in last_line(r) and "2**48" in last_line(r)
+
+
+def test_receive_spin_is_on_by_default_only_with_four_cpus_or_more():
+    assert _strategy.DEFAULT_RECEIVE_SPIN_US == (100 if len(os.sched_getaffinity(0)) >= 4
+                                                 else 0)
+
+
+@pytest.mark.parametrize("value, us", [("0", 0), ("250", 250), (" 7 ", 7), ("10000", 10000)])
+def test_receive_spin_from_the_environment(value, us):
+    r = import_with(SHMTENSOR_RECEIVE_SPIN_US=value)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout.split()[2]) == us
+
+
+@pytest.mark.parametrize("value, says", [("-5", "not a number of microseconds"),
+                                         ("100us", "not a number of microseconds"),
+                                         ("0.5", "not a number of microseconds"),
+                                         ("10001", "out of range")])
+def test_bad_receive_spin_fails_the_import_naming_the_forms(value, says):
+    r = import_with(SHMTENSOR_RECEIVE_SPIN_US=value)
+    assert r.returncode != 0
+    line = last_line(r)
+    assert line.startswith("ValueError: SHMTENSOR_RECEIVE_SPIN_US="), r.stderr
+    assert says in line and "10000" in line
+
+
+@pytest.fixture
+def spin():
+    prev = shmtensor.get_receive_spin()
+    yield
+    shmtensor.set_receive_spin(prev)
+
+
+@pytest.mark.parametrize("bad, error", [(True, TypeError), (1.5, TypeError), ("100", TypeError),
+                                        (-1, ValueError), (10_001, ValueError)])
+def test_set_receive_spin_checks_its_argument(spin, bad, error):
+    prev = shmtensor.get_receive_spin()
+    with pytest.raises(error, match="microseconds"):
+        shmtensor.set_receive_spin(bad)
+    assert shmtensor.get_receive_spin() == prev
+
+
+def test_set_receive_spin_applies_to_channels_opened_after(spin):
+    from shmtensor import multiprocessing as smp
+    shmtensor.set_receive_spin(0)
+    before = smp.Queue()
+    shmtensor.set_receive_spin(np.int64(250))
+    after = smp.Queue()
+    try:
+        assert before._reader._wait is None
+        assert after._reader._wait.budget == pytest.approx(250e-6)
+        assert shmtensor.get_receive_spin() == 250 and type(shmtensor.get_receive_spin()) is int
+    finally:
+        for q in (before, after):
+            q.close()
+            q.join_thread()
 
 
 @pytest.fixture

@@ -42,26 +42,32 @@ class _ShmProcess:
         popen = _mpctx.get_spawning_popen()
         if popen is None:
             return state
-        payload = (self._target, self._args, self._kwargs,
-                   _strategy.get_sharing_strategy(), _strategy.get_inline_threshold())
+        payload = (self._target, self._args, self._kwargs)
         # by reference as the stdlib pickles it, by value if that fails: a failed first
         # try may have registered fds with the popen, which a second would register again
         data, ctx = _reductions.dumps(payload, undo=_forget_new_fds(popen))
         self._shm_send = ctx  # the fds must stay open until the child has them (start())
         state["_target"], state["_args"], state["_kwargs"] = None, (), {}
         state["_shm_payload"] = (bytes(data), [reduction.DupFd(fd) for fd in ctx.wire_fds()])
+        # the child takes the parent's settings before it loads the arguments: the channels
+        # among them are made under them
+        state["_shm_settings"] = (_strategy.get_sharing_strategy(),
+                                  _strategy.get_inline_threshold(), _strategy.get_receive_spin())
         return state
 
     def __setstate__(self, state):
         payload = state.pop("_shm_payload", None)
+        settings = state.pop("_shm_settings", None)
         self.__dict__.update(state)
+        if settings is not None:
+            strategy, threshold, spin = settings
+            _strategy.set_sharing_strategy(strategy)
+            _strategy.set_inline_threshold(threshold)
+            _strategy.set_receive_spin(spin)
         if payload is not None:
             data, dupfds = payload
             fds = [d.detach() for d in dupfds]
-            target, args, kwargs, strategy, threshold = _reductions.loads(data, fds)
-            self._target, self._args, self._kwargs = target, args, kwargs
-            _strategy.set_sharing_strategy(strategy)
-            _strategy.set_inline_threshold(threshold)
+            self._target, self._args, self._kwargs = _reductions.loads(data, fds)
 
     def _bootstrap(self, *args, **kwargs):
         # In the child, before the target runs: adapters of libraries imported by now (torch,
