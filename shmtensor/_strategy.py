@@ -140,6 +140,17 @@ def set_sharing_strategy(strategy: str) -> None:
     _strategy = strategy
 
 
+def _whole(value, what: str, unit: str, fix: str) -> int:
+    """``value`` as an int (numpy's integers too); a bool or a non-integer is refused."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} is a number of {unit}, not a bool ({value!r}): {fix}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} is an int number of {unit}, got "
+                        f"{type(value).__name__} {value!r}") from None
+
+
 def get_inline_threshold() -> int:
     return _inline_threshold
 
@@ -150,14 +161,7 @@ def set_inline_threshold(nbytes: int) -> None:
     ``nbytes`` is an int from 0 to 2**48 (see ``MAX_INLINE_THRESHOLD``); a bool is not a
     size and is refused."""
     global _inline_threshold
-    if isinstance(nbytes, bool):
-        raise TypeError(f"the inline threshold is a number of bytes, not a bool ({nbytes!r}): "
-                        "pass an int such as 81920")
-    try:
-        nbytes = operator.index(nbytes)
-    except TypeError:
-        raise TypeError(f"the inline threshold is an int number of bytes, got "
-                        f"{type(nbytes).__name__} {nbytes!r}") from None
+    nbytes = _whole(nbytes, "the inline threshold", "bytes", "pass an int such as 81920")
     _inline_threshold = _check_threshold(nbytes, "inline threshold ")
 
 
@@ -171,14 +175,8 @@ def set_receive_spin(microseconds: int) -> None:
     channel before it sleeps, while its previous wait was no longer: a writer then need not
     wake it.  0 never polls.  Applies to channels opened (or received) after the call."""
     global _receive_spin_us
-    if isinstance(microseconds, bool):
-        raise TypeError(f"the receive spin is a number of microseconds, not a bool "
-                        f"({microseconds!r}): pass an int such as 100, or 0 to turn it off")
-    try:
-        microseconds = operator.index(microseconds)
-    except TypeError:
-        raise TypeError(f"the receive spin is an int number of microseconds, got "
-                        f"{type(microseconds).__name__} {microseconds!r}") from None
+    microseconds = _whole(microseconds, "the receive spin", "microseconds",
+                          "pass an int such as 100, or 0 to turn it off")
     _receive_spin_us = _check_spin(microseconds, "receive spin ")
 
 
