@@ -26,7 +26,8 @@ __version__ = "0.1.0"
 __all__ = ["empty", "zeros", "ones", "full", "empty_like", "zeros_like", "share_memory",
            "is_shared", "set_sharing_strategy", "get_sharing_strategy",
            "get_all_sharing_strategies", "set_inline_threshold", "get_inline_threshold",
-           "set_receive_spin", "get_receive_spin", "empty_cache", "debug_info", "ShmSpaceError", "BatchPool"]
+           "set_receive_spin", "get_receive_spin", "empty_cache", "debug_info", "ShmSpaceError",
+           "BatchPool"]
 
 _LAZY = {name: "._alloc" for name in ("empty", "zeros", "ones", "full", "empty_like",
                                      "zeros_like", "share_memory", "is_shared")}

@@ -49,9 +49,9 @@ _SIZE_FORMS = "bytes as digits, optionally with a binary suffix: 81920, 80k, 80K
 
 # How long a reader (Queue.get, SimpleQueue.get, Connection.recv) polls its socket before it
 # sleeps, while its previous wait was no longer (ipc.scm_rights.SpinWait).  A writer whose
-# reader sleeps pays the wake-up in its send: 3-4 us here, more where waking another CPU
-# leaves the VM; a relay's middle stage, whose reader is always just behind, spends that
-# on every message.  Polling burns the reader's CPU while it waits, so it is on by default
+# reader sleeps pays the wake-up in its send (~1 us on the GPU machine, 3-4 us on the
+# 2-vCPU VMs); a relay's middle stage, whose reader is always just behind, spends that on
+# every message.  Polling burns the reader's CPU while it waits, so it is on by default
 # only with 4 or more CPUs to run on (not on the 2-vCPU machines, where a polling reader
 # would take a CPU from the writer it waits for).
 MAX_RECEIVE_SPIN_US = 10_000
