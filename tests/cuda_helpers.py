@@ -148,6 +148,17 @@ def sum_on_device1(inq, outq):
                 outq.put((float(a.sum()), a.device.id, a.size))
 
 
+def report_and_return(inq, outq, count):
+    """Receive ``count`` arrays one at a time while device 0 is current; send back each
+    one's device, its sum and the array itself (a forward of what was received)."""
+    for _ in range(count):
+        a = inq.get()
+        with a.device:
+            total = float(a.sum())
+        outq.put((a.device.id, total, a))
+        del a
+
+
 def bad_fork_child(queue, out, inherited):
     """In a forked child of a CUDA parent: every shmtensor CUDA entry point says fork."""
     import shmtensor.cuda

@@ -167,6 +167,33 @@ def test_cuda_small_arrays_two_gpus(cp, kind, ctx, lc):
     del arrays
 
 
+@pytest.mark.skipif(shmtensor.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_arrays_sent_alone_from_the_second_gpu(cp, kind, ctx, lc):
+    """One array per message (the lane), on GPU 1, put while GPU 1 or GPU 0 is current; the
+    child reads it while GPU 0 is current and sends it back: values, devices, and the
+    releases on GPU 1 (the leak check) must all hold."""
+    with cp.cuda.Device(1):
+        arrays = [cp.arange(i * 5.0, (i + 1) * 5) for i in range(4)]
+    inq, outq = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=ch.report_and_return, args=(inq, outq, len(arrays)))
+    p.start()
+    for i, a in enumerate(arrays):
+        if i % 2:
+            inq.put(a)  # GPU 0 current: the general path switches devices
+        else:
+            with cp.cuda.Device(1):
+                inq.put(a)
+    back = [outq.get(timeout=JOIN) for _ in arrays]
+    join_all(p)
+    for i, (device, total, b) in enumerate(back):
+        assert device == 1 and b.device.id == 1
+        assert total == sum(range(i * 5, (i + 1) * 5))
+        with b.device:
+            assert bool((b == arrays[i]).all())
+    del back, b, arrays
+    shmtensor.cuda.ipc_collect()
+
+
 def test_cuda_event_exporter(cp, ctx, lc):
     q, ready, done = ctx.Queue(), ctx.Event(), ctx.Event()
     p = ctx.Process(target=ch.multiply_two, args=(q, ready, done))
