@@ -103,7 +103,7 @@ def _spin_from_env() -> int:
     raw = os.environ.get("SHMTENSOR_RECEIVE_SPIN_US")
     if not raw or not raw.strip():
         return DEFAULT_RECEIVE_SPIN_US
-    if not raw.strip().isdigit():
+    if not raw.strip().isdecimal():  # what int() reads (isdigit() also passes '²')
         raise ValueError(f"SHMTENSOR_RECEIVE_SPIN_US={raw!r} is not a number of microseconds: "
                          f"write digits alone, from 0 (never poll) to {MAX_RECEIVE_SPIN_US}")
     return _check_spin(int(raw), "SHMTENSOR_RECEIVE_SPIN_US=")
@@ -173,7 +173,8 @@ def get_receive_spin() -> int:
 def set_receive_spin(microseconds: int) -> None:
     """How long a reader (``Queue.get``, ``SimpleQueue.get``, ``Connection.recv``) polls its
     channel before it sleeps, while its previous wait was no longer: a writer then need not
-    wake it.  0 never polls.  Applies to channels opened (or received) after the call."""
+    wake it.  0 never polls.  Applies to channels opened (or received) after the call, and
+    to the children started after it (each keeps what its parent had when it started)."""
     global _receive_spin_us
     microseconds = _whole(microseconds, "the receive spin", "microseconds",
                           "pass an int such as 100, or 0 to turn it off")

@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 import shmtensor
+import shmtensor.multiprocessing as smp
 
 
 def simple_fill(queue, event):
@@ -275,3 +276,24 @@ def relay_sums_with_spin(inq, outq, n):
     outq.put((shmtensor.get_receive_spin(), None if wait is None else wait.budget))
     for _ in range(n):
         outq.put(int(inq.get().sum()))
+
+
+def _queue_holder(base, name: str):
+    class QueueHolder(base):
+        """A worker that keeps its queues as attributes, as many users write them: they
+        are made in the child as the process itself is unpickled."""
+
+        def __init__(self, inq, outq) -> None:
+            super().__init__()
+            self.inq, self.outq = inq, outq
+
+        def run(self) -> None:
+            relay_sums_with_spin(self.inq, self.outq, 1)
+    QueueHolder.__name__ = QueueHolder.__qualname__ = name
+    return QueueHolder
+
+
+# a spawned child finds its process's class by name: one module-level class per method
+SpawnQueueHolder = _queue_holder(smp.get_context("spawn").Process, "SpawnQueueHolder")
+ForkserverQueueHolder = _queue_holder(smp.get_context("forkserver").Process,
+                                      "ForkserverQueueHolder")

@@ -282,6 +282,29 @@ def test_queue_close_without_a_feeder_thread_closes_its_socket():
     assert q._reader.closed and q._writer.closed
 
 
+@pytest.mark.parametrize("holder", ["SpawnQueueHolder", "ForkserverQueueHolder"])
+def test_queues_held_by_a_process_subclass_take_the_parents_settings(holder, lc):
+    # Queues kept as attributes of a Process subclass are made in the child as the process
+    # is unpickled: the parent's settings must apply before, as for its arguments.
+    prev = shmtensor.get_receive_spin()
+    shmtensor.set_receive_spin(2500)
+    try:
+        ctx = smp.get_context("spawn" if holder.startswith("Spawn") else "forkserver")
+        inq, outq = ctx.Queue(), ctx.Queue()
+        p = getattr(helpers, holder)(inq, outq)
+        p.start()
+        lc.check_pid(p.pid)
+        assert outq.get(timeout=JOIN) == (2500, pytest.approx(2.5e-3))
+        inq.put(shmtensor.full((10,), 3, dtype=np.int64))
+        assert outq.get(timeout=JOIN) == 30
+        join_all(p)
+        assert p.exitcode == 0
+        inq.close()
+        outq.close()
+    finally:
+        shmtensor.set_receive_spin(prev)
+
+
 @pytest.mark.parametrize("start_method", START_METHODS)
 def test_a_child_reads_with_its_parents_receive_spin_and_misses_nothing(start_method, lc):
     # The reader polls before it sleeps (with its parent's setting): messages sent while it

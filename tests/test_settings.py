@@ -92,6 +92,7 @@ def test_receive_spin_from_the_environment(value, us):
 @pytest.mark.parametrize("value, says", [("-5", "not a number of microseconds"),
                                          ("100us", "not a number of microseconds"),
                                          ("0.5", "not a number of microseconds"),
+                                         ("\u00b2", "not a number of microseconds"),
                                          ("10001", "out of range")])
 def test_bad_receive_spin_fails_the_import_naming_the_forms(value, says):
     r = import_with(SHMTENSOR_RECEIVE_SPIN_US=value)

@@ -33,13 +33,36 @@ def _forget_new_fds(popen):
     return forget
 
 
+def _apply_settings(strategy: str, threshold: int, spin: int) -> None:
+    """In a spawned child, as its Process is unpickled: the parent's settings."""
+    _strategy.set_sharing_strategy(strategy)
+    _strategy.set_inline_threshold(threshold)
+    _strategy.set_receive_spin(spin)
+
+
+class _ParentSettings:
+    """The sharing strategy, inline threshold and receive spin of the process that spawns a
+    child: unpickled there, it applies them (a child takes its parent's settings, not its
+    own environment's, and keeps them when the parent changes its own later)."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return _apply_settings, (_strategy.get_sharing_strategy(),
+                                 _strategy.get_inline_threshold(), _strategy.get_receive_spin())
+
+
 class _ShmProcess:
     """Pickles target and args with shmtensor's reducers when spawned (fork needs nothing)."""
 
     def __getstate__(self):
-        state = self.__dict__.copy()
-        state.pop("_shm_send", None)
         popen = _mpctx.get_spawning_popen()
+        # The parent's settings go first: unpickled before anything else of the process,
+        # they apply in the child before any channel in its state or arguments is made
+        # (a reader takes its receive spin when it is made).
+        state = {} if popen is None else {"_shm_settings": _ParentSettings()}
+        state.update(self.__dict__)
+        state.pop("_shm_send", None)
         if popen is None:
             return state
         payload = (self._target, self._args, self._kwargs)
@@ -49,21 +72,12 @@ class _ShmProcess:
         self._shm_send = ctx  # the fds must stay open until the child has them (start())
         state["_target"], state["_args"], state["_kwargs"] = None, (), {}
         state["_shm_payload"] = (bytes(data), [reduction.DupFd(fd) for fd in ctx.wire_fds()])
-        # the child takes the parent's settings before it loads the arguments: the channels
-        # among them are made under them
-        state["_shm_settings"] = (_strategy.get_sharing_strategy(),
-                                  _strategy.get_inline_threshold(), _strategy.get_receive_spin())
         return state
 
     def __setstate__(self, state):
         payload = state.pop("_shm_payload", None)
-        settings = state.pop("_shm_settings", None)
+        state.pop("_shm_settings", None)  # applied already, as it was unpickled
         self.__dict__.update(state)
-        if settings is not None:
-            strategy, threshold, spin = settings
-            _strategy.set_sharing_strategy(strategy)
-            _strategy.set_inline_threshold(threshold)
-            _strategy.set_receive_spin(spin)
         if payload is not None:
             data, dupfds = payload
             fds = [d.detach() for d in dupfds]
