@@ -1,9 +1,11 @@
 """Sharing strategies, the inline threshold and the receive spin: process-wide settings with
 set/get verbs.
 
-All start from the environment, checked when shmtensor is imported (a bad value fails the
-import with an error naming the variable and what it accepts, rather than failing later
-in a finalizer):
+All start from the environment, read when shmtensor is imported.  A bad value is reported
+by every call that needs a setting (making a channel or an array, sending one, a getter)
+with an error naming the variable and what it accepts, until the program sets that
+setting itself; importing shmtensor, its CLI and its pytest plugin still work, so a typo
+in one variable does not break unrelated test runs or ``shmtensor ls``:
 
 * ``SHMTENSOR_SHARING_STRATEGY``: ``file_descriptor`` or ``file_system``.
 * ``SHMTENSOR_INLINE_THRESHOLD``: bytes, as digits with an optional binary suffix,
@@ -109,17 +111,39 @@ def _spin_from_env() -> int:
     return _check_spin(int(raw), "SHMTENSOR_RECEIVE_SPIN_US=")
 
 
-def _from_env() -> tuple[str, int, int]:
+def _strategy_from_env() -> str:
     strategy = os.environ.get("SHMTENSOR_SHARING_STRATEGY") or _ALL[0]
     if strategy not in _ALL:
         raise _strategy_error(strategy, "SHMTENSOR_SHARING_STRATEGY=")
+    return strategy
+
+
+def _threshold_from_env() -> int:
     raw = os.environ.get("SHMTENSOR_INLINE_THRESHOLD")
-    threshold = (parse_size(raw, "SHMTENSOR_INLINE_THRESHOLD=") if raw and raw.strip()
-                 else DEFAULT_INLINE_THRESHOLD)
-    return strategy, threshold, _spin_from_env()
+    return (parse_size(raw, "SHMTENSOR_INLINE_THRESHOLD=") if raw and raw.strip()
+            else DEFAULT_INLINE_THRESHOLD)
 
 
-_strategy, _inline_threshold, _receive_spin_us = _from_env()
+def _from_env(name: str, read, default):
+    """The setting ``name`` from the environment, or ``default`` with its error kept in
+    ``_env_errors`` for the calls that need a setting to raise."""
+    try:
+        return read()
+    except ValueError as e:
+        _env_errors[name] = e
+        return default
+
+
+_env_errors: dict[str, ValueError] = {}  # setting -> what is wrong with its variable
+_strategy = _from_env("strategy", _strategy_from_env, _ALL[0])
+_inline_threshold = _from_env("threshold", _threshold_from_env, DEFAULT_INLINE_THRESHOLD)
+_receive_spin_us = _from_env("spin", _spin_from_env, DEFAULT_RECEIVE_SPIN_US)
+
+
+def _raise_env_error() -> None:
+    """Raise what is wrong with the first bad variable the program has not overridden."""
+    for e in _env_errors.values():
+        raise ValueError(*e.args)
 
 
 def get_all_sharing_strategies() -> set[str]:
@@ -128,6 +152,8 @@ def get_all_sharing_strategies() -> set[str]:
 
 
 def get_sharing_strategy() -> str:
+    if _env_errors:
+        _raise_env_error()
     return _strategy
 
 
@@ -138,6 +164,7 @@ def set_sharing_strategy(strategy: str) -> None:
     if not isinstance(strategy, str) or strategy not in _ALL:
         raise _strategy_error(strategy, "")
     _strategy = strategy
+    _env_errors.pop("strategy", None)
 
 
 def _whole(value, what: str, unit: str, fix: str) -> int:
@@ -152,6 +179,8 @@ def _whole(value, what: str, unit: str, fix: str) -> int:
 
 
 def get_inline_threshold() -> int:
+    if _env_errors:
+        _raise_env_error()
     return _inline_threshold
 
 
@@ -163,10 +192,13 @@ def set_inline_threshold(nbytes: int) -> None:
     global _inline_threshold
     nbytes = _whole(nbytes, "the inline threshold", "bytes", "pass an int such as 81920")
     _inline_threshold = _check_threshold(nbytes, "inline threshold ")
+    _env_errors.pop("threshold", None)
 
 
 def get_receive_spin() -> int:
     """Microseconds a reader polls its channel before it sleeps (0: never)."""
+    if _env_errors:
+        _raise_env_error()
     return _receive_spin_us
 
 
@@ -179,8 +211,11 @@ def set_receive_spin(microseconds: int) -> None:
     microseconds = _whole(microseconds, "the receive spin", "microseconds",
                           "pass an int such as 100, or 0 to turn it off")
     _receive_spin_us = _check_spin(microseconds, "receive spin ")
+    _env_errors.pop("spin", None)
 
 
 def receive_wait() -> SpinWait | None:
     """A new reader's way of waiting under the current setting (None: it sleeps at once)."""
+    if _env_errors:
+        _raise_env_error()
     return SpinWait(_receive_spin_us * 1e-6) if _receive_spin_us else None

@@ -1,5 +1,6 @@
 """Settings are checked where they are given: environment variables when shmtensor is
-imported, setters when called, constructors' arguments; each error names what is accepted."""
+imported (a bad one raised by the first call that needs a setting), setters when called,
+constructors' arguments; each error names what is accepted."""
 
 import os
 import subprocess
@@ -27,7 +28,7 @@ def last_line(r: subprocess.CompletedProcess) -> str:
     return r.stderr.strip().splitlines()[-1]
 
 
-def test_bogus_sharing_strategy_fails_the_import_naming_the_choices():
+def test_bogus_sharing_strategy_is_refused_naming_the_choices():
     r = import_with(SHMTENSOR_SHARING_STRATEGY="bogus")
     assert r.returncode != 0
     line = last_line(r)
@@ -63,7 +64,7 @@ def test_inline_threshold_from_the_environment_takes_binary_suffixes(value, nbyt
 
 
 @pytest.mark.parametrize("value", ["-5", "80KB", "80kB", "1.5M", "lots", "0x100", "80 k b"])
-def test_bad_inline_threshold_fails_the_import_naming_the_forms(value):
+def test_bad_inline_threshold_is_refused_naming_the_forms(value):
     r = import_with(SHMTENSOR_INLINE_THRESHOLD=value)
     assert r.returncode != 0
     line = last_line(r)
@@ -75,6 +76,45 @@ def test_huge_inline_threshold_from_the_environment_is_refused():
     r = import_with(SHMTENSOR_INLINE_THRESHOLD=str(2 ** 70))
     assert r.returncode != 0
     assert "out of range" in last_line(r) and "2**48" in last_line(r)
+
+
+def run_with(code: str, *args: str, **env) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("SHMTENSOR_")}
+    full.update(env)
+    return subprocess.run([sys.executable, *(("-c", code) if code else ()), *args], env=full,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("var, value", [("SHMTENSOR_INLINE_THRESHOLD", "80KB"),
+                                        ("SHMTENSOR_SHARING_STRATEGY", "bogus"),
+                                        ("SHMTENSOR_RECEIVE_SPIN_US", "abc")])
+def test_a_bad_variable_leaves_the_import_the_cli_and_the_plugin_working(var, value):
+    # pytest loads the plugin (and so the package) in every run of an environment where
+    # shmtensor is installed: a typo in one variable must not break unrelated test runs
+    r = run_with("import shmtensor, shmtensor.cli, shmtensor.pytest_plugin; print('ok')",
+                 **{var: value})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    r = run_with("", "-m", "shmtensor", "ls", **{var: value})
+    assert r.returncode == 0, r.stderr
+    # the first call that needs a setting says what is wrong, until the program sets it
+    code = ("import shmtensor, shmtensor.multiprocessing as smp\n"
+            "for make in (smp.Queue, lambda: shmtensor.zeros(10)):\n"
+            "    try:\n"
+            "        make()\n"
+            "    except ValueError as e:\n"
+            "        print('refused:', e)\n"
+            "shmtensor.set_sharing_strategy('file_system')\n"
+            "shmtensor.set_inline_threshold(1000)\n"
+            "shmtensor.set_receive_spin(0)\n"
+            "q = smp.Queue()\n"
+            "q.put(shmtensor.full((3,), 2.0))\n"
+            "print(float(q.get().sum()))\n")
+    r = run_with(code, **{var: value})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 3 and lines[-1] == "6.0", r.stdout
+    for line in lines[:2]:
+        assert line.startswith(f"refused: {var}={value!r}"), line
 
 
 def test_receive_spin_is_on_by_default_only_with_four_cpus_or_more():
@@ -94,7 +134,7 @@ def test_receive_spin_from_the_environment(value, us):
                                          ("0.5", "not a number of microseconds"),
                                          ("\u00b2", "not a number of microseconds"),
                                          ("10001", "out of range")])
-def test_bad_receive_spin_fails_the_import_naming_the_forms(value, says):
+def test_bad_receive_spin_is_refused_naming_the_forms(value, says):
     r = import_with(SHMTENSOR_RECEIVE_SPIN_US=value)
     assert r.returncode != 0
     line = last_line(r)
