@@ -2,7 +2,7 @@
 
   shmtensor ls [--json]                        every shmtensor segment on this machine
   shmtensor clean [--dry-run]                  remove what no live process can still use
-  shmtensor leak-check [--json] [--timeout S] -- CMD ARGS...
+  shmtensor leak-check [--json] [--json-file PATH] [--timeout S] -- CMD ARGS...
                                                run CMD, report what its process tree left
 
 Sizes are binary: 1 KiB = 1024 bytes, 1 MiB = 1024 KiB.
@@ -378,6 +378,14 @@ def cmd_leak_check(args) -> int:
         _say(f"shmtensor leak-check: --timeout must be >= 0 seconds, got {args.timeout}",
              sys.stderr)
         return 2
+    report_file = None
+    if args.json_file:
+        try:  # opened first: a path that cannot be written fails before the command runs
+            report_file = open(args.json_file, "w")
+        except OSError as e:
+            _say(f"shmtensor leak-check: cannot write the report to {args.json_file}: "
+                 f"{e.strerror}; give a writable --json-file path", sys.stderr)
+            return 2
     _become_subreaper()
     watch = _TreeWatch(os.getpid())
     proc = _run(args.command)
@@ -407,6 +415,9 @@ def cmd_leak_check(args) -> int:
     leaked = left(report)
     report.update(command=args.command, exit_code=status,
                   signal=-proc.returncode if proc.returncode < 0 else None, leaked=leaked)
+    if report_file is not None:
+        with report_file:
+            json.dump(report, report_file, indent=2)
     if args.json:
         _say(json.dumps(report, indent=2))
     else:
@@ -467,7 +478,11 @@ def build_parser() -> argparse.ArgumentParser:
     lc = sub.add_parser(
         "leak-check", help="run a command and report what its process tree left behind",
         formatter_class=argparse.RawDescriptionHelpFormatter, description=_LEAK_CHECK_DOC)
-    lc.add_argument("--json", action="store_true", help="machine-readable report")
+    lc.add_argument("--json", action="store_true",
+                    help="machine-readable report, on stdout after the command's own output")
+    lc.add_argument("--json-file", metavar="PATH",
+                    help="also write the machine-readable report to PATH (apart from the "
+                         "command's output)")
     lc.add_argument("--timeout", type=float, default=5.0,
                     help="seconds to wait for asynchronous releases after the command ends")
     lc.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")

@@ -35,11 +35,22 @@ def test_leak_check_clean_command(tmp_path):
             q = mp.get_context("spawn").Queue()
             q.put(np.ones(100_000)); q.get(); print("ok")
     """))
-    r = run("leak-check", "--json", "--", sys.executable, str(script))
+    r = run("leak-check", "--json", "--json-file", str(tmp_path / "report.json"), "--",
+            sys.executable, str(script))
     assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("ok\n")  # the command's own output first
     report = json.loads(r.stdout[r.stdout.index("{"):])
     assert set(report) >= {"segments", "processes", "command", "exit_code", "leaked"}
     assert report["leaked"] is False and report["exit_code"] == 0
+    assert json.loads((tmp_path / "report.json").read_text()) == report  # apart from it
+
+
+def test_leak_check_refuses_a_report_path_it_cannot_write_before_running(tmp_path):
+    marker = tmp_path / "ran"
+    r = run("leak-check", "--json-file", str(tmp_path / "no" / "such" / "dir.json"), "--",
+            sys.executable, "-c", f"open({str(marker)!r}, 'w')")
+    assert r.returncode == 2 and "--json-file" in r.stderr, r.stderr
+    assert not marker.exists()
 
 
 def test_leak_check_reports_leaked_segment_and_process(tmp_path):
