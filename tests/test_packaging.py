@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (ROOT / "pyproject.toml").exists(),
+                                 reason="needs the source tree (these tests run apart from it)")]
 TIMEOUT = 600  # seconds for one pip or build step (downloads on a cold cache)
 
 
@@ -91,6 +92,12 @@ def test_wheels_carry_every_module_and_nothing_outside_shmtensor(built):
         assert "ipc/posix_shm.py" in members
     else:
         assert "shmtensor/ipc/posix_shm.py" in members
+    # the whole suite, helpers included, the README's examples and the license
+    tracked = {str(p.relative_to(ROOT)) for d in ("tests", "examples")
+               for p in (ROOT / d).rglob("*.py") if "__pycache__" not in p.parts}
+    assert tracked <= set(members), sorted(tracked - set(members))
+    assert "LICENSE" in members
+    assert not [n for n in members if "__pycache__" in n or n.endswith(".pyc")]
 
 
 def test_installed_wheel_imports_every_public_module(built, tmp_path):
@@ -104,6 +111,8 @@ def test_installed_wheel_imports_every_public_module(built, tmp_path):
             module = importlib.import_module(name)
             assert "site-packages" in module.__file__, (name, module.__file__)
         assert importlib.util.find_spec("ipc") is None, "a top-level ipc is installed"
+        import shmtensor
+        assert md.version("shmtensor") == shmtensor.__version__, md.version("shmtensor")
         files = [str(f) for f in md.files("shmtensor")]
         stray = [f for f in files if not f.startswith(("shmtensor/", "shmtensor-", "../"))]
         assert not stray, stray
