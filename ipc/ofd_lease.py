@@ -14,7 +14,8 @@ Facts this module is built on (Linux >= 3.15):
 Each process that creates segments has one *lease table*: ``SHARDS`` empty memfds, byte
 ``i`` of file ``i % SHARDS`` standing for its segment ``i``.  A process holds segment ``i``
 by read-locking byte ``i`` through its *holding* description of that file (at most one fd
-per peer and file, never one per array).
+per peer and file, never one per array; a process that has heard from more than
+:func:`holdings_kept` peers closes the descriptions of those it holds nothing from).
 A message that carries segments carries an *in-flight* description with the same bytes
 locked, so nothing is reusable between the sender letting go and the receiver taking hold.
 The creator may reuse segment ``i`` once nobody holds byte ``i``: every array view in every
@@ -47,7 +48,7 @@ from .scm_rights import close_fds
 
 __all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "hold_sole",
            "lock_shared", "establish", "release", "release_many", "inflight_fd", "sendable",
-           "kept_budget", "probe_held", "forget_idle", "shed_kept", "retry_after_shedding",
+           "kept_budget", "holdings_kept", "probe_held", "forget_idle", "shed_kept", "retry_after_shedding",
            "own_fds", "table_count", "before_fork", "after_fork_in_parent",
            "after_fork_in_child"]
 
@@ -208,9 +209,20 @@ def own_table() -> LeaseTable:
     return _own
 
 
+def holdings_kept() -> int:
+    """Peer tables whose descriptions stay open while nothing is held through them: a
+    process that hears from more peers than this (a Pool replacing its workers, executors
+    made again and again) closes the idle ones' descriptions when a new peer comes, instead
+    of keeping up to ``SHARDS`` fds for every peer it ever heard from, dead ones included.
+    As many as fit ``SHARDS`` fds each in the kept budget (16 at 1024 fds), at least 2."""
+    return max(2, kept_budget() // SHARDS)
+
+
 def _holding(table_id: str) -> _Holding:
     h = _holdings.get(table_id)
     if h is None:
+        if len(_holdings) > holdings_kept():
+            forget_idle(blocking=False)
         new = _Holding(table_id)  # made before the lock: no GC pass (finalizers) inside it
         with _registry_lock:
             h = _holdings.setdefault(table_id, new)
@@ -484,20 +496,26 @@ def _locked_copy(source: int, slots) -> int:
     return fd
 
 
-def forget_idle() -> int:
-    """Close the holding descriptions of peer tables through which nothing is held."""
+def forget_idle(blocking: bool = True) -> int:
+    """Close the holding descriptions of peer tables through which nothing is held (with
+    ``blocking`` False, skipping any whose lock another thread has: it is in use)."""
     closed = 0
     for tid, h in list(_holdings.items()):  # listed before the locks: nothing made inside
-        if _own is not None and tid == _own.id:
+        if (_own is not None and tid == _own.id) or h.counts:
             continue
-        with _registry_lock, h.lock:
-            if h.counts or _holdings.get(tid) is not h:
+        with _registry_lock:
+            if not h.lock.acquire(blocking):
                 continue
-            del _holdings[tid]
-            h.gone = True
-            close_fds(h.fds)
-            h.fds[:] = _NO_FDS  # in place: nothing made while the locks are held
-            closed += 1
+            try:
+                if h.counts or _holdings.get(tid) is not h:
+                    continue
+                del _holdings[tid]
+                h.gone = True
+                close_fds(h.fds)
+                h.fds[:] = _NO_FDS  # in place: nothing made while the locks are held
+                closed += 1
+            finally:
+                h.lock.release()
     return closed
 
 

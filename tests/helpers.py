@@ -297,3 +297,8 @@ def _queue_holder(base, name: str):
 SpawnQueueHolder = _queue_holder(smp.get_context("spawn").Process, "SpawnQueueHolder")
 ForkserverQueueHolder = _queue_holder(smp.get_context("forkserver").Process,
                                       "ForkserverQueueHolder")
+
+
+def array_of(i: int, n: int = 16384):
+    """A result big enough to cross through a segment (128 KiB)."""
+    return np.full(n, i, dtype=np.float64)

@@ -43,6 +43,31 @@ def test_maxtasksperchild_replaces_workers(lc):
     assert len(pids) == 3
 
 
+def lease_fds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").endswith("_lease (deleted)")
+        except OSError:  # the listing's own fd, gone
+            pass
+    return n
+
+
+def test_workers_replaced_again_and_again_leave_a_bounded_number_of_lease_fds(lc):
+    # Each worker is a new peer with its own lease table; the caller must not keep
+    # descriptions of every table it ever heard from (a fork Pool that replaced its workers
+    # ran out of fds and hung at 1024)
+    from shmtensor.ipc import ofd_lease
+    with smp.get_context("fork").Pool(2, maxtasksperchild=1) as pool:
+        for i, a in enumerate(pool.imap(helpers.array_of, range(150), chunksize=1)):
+            assert a[0] == i
+            del a
+        assert ofd_lease.table_count() <= ofd_lease.holdings_kept() + 2
+        bound = ofd_lease.SHARDS * (ofd_lease.holdings_kept() + 2) + ofd_lease.kept_budget()
+        assert lease_fds() <= bound, (lease_fds(), bound)
+    pool.join()
+
+
 def test_lambdas_and_closures_under_spawn(lc):
     k = 3
     with smp.get_context("spawn").Pool(2) as pool:
