@@ -92,6 +92,10 @@ def send_error(e: BaseException, what: str,
 class Connection(_mpc.Connection):
     """A multiprocessing Connection on a Unix socket whose messages carry fds."""
 
+    # Plain arrays received here become private copies (see _reductions._rebuild_array):
+    # set on a manager server's end, which keeps values as the stdlib's does.
+    _private = False
+
     def __init__(self, handle: int, readable: bool = True, writable: bool = True) -> None:
         super().__init__(handle, readable, writable)
         self._sock = socket.socket(fileno=handle)
@@ -162,7 +166,7 @@ class Connection(_mpc.Connection):
     def recv(self):
         """Receive an object sent with :meth:`send`."""
         data, fds = self.recv_frame()
-        return _reductions.loads(data, fds)
+        return _reductions.loads(data, fds, self._private)
 
 
 def _rebuild_connection(df, readable: bool, writable: bool) -> Connection:

@@ -92,11 +92,13 @@ def _reduce_root(a: np.ndarray):
     dst = np.ndarray(a.shape, a.dtype, buffer=anchor, offset=offset, order=order)
     np.copyto(dst, a, casting="no")
     _stats.bump("arrays_sent_copied")
-    return _reduce_on(dst, _segments.segment_of(anchor), not a.flags.writeable)
+    return _reduce_on(dst, _segments.segment_of(anchor), not a.flags.writeable, True)
 
 
-def _reduce_on(a: np.ndarray, seg: Segment, readonly: bool):
-    return _rebuild_array, (seg, _ptr(a) - seg.address, a.shape, a.strides, _dt(a.dtype), readonly)
+def _reduce_on(a: np.ndarray, seg: Segment, readonly: bool, copied: bool = False):
+    """``copied``: ``a`` is a copy made only to send a plain array (see _rebuild_array)."""
+    args = (seg, _ptr(a) - seg.address, a.shape, a.strides, _dt(a.dtype), readonly)
+    return _rebuild_array, (args + (True,) if copied else args)
 
 
 # A message that is one shared array (its memory a segment that can travel) goes without a
@@ -332,24 +334,24 @@ def _dump_by_value(obj, undo, first: BaseException | None) -> tuple[bytes, SendC
 _RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOLCK)
 
 
-def loads(data, fds: list[int]):
+def loads(data, fds: list[int], private: bool = False):
     """Unpickle a message from a shmtensor channel; closes every fd it did not keep.  A
     message that cannot be loaded for want of an fd or a lock is lost (it was read off the
-    channel), and the error says so."""
+    channel), and the error says so.  ``private``: see ``_rebuild_array``."""
     try:
-        return _loads(data, fds)
+        return _loads(data, fds, private)
     except OSError as e:
         if e.errno not in _RESOURCE_ERRNOS:
             raise
         raise OSError(e.errno, f"{e.strerror}; the message was received and discarded") from e
 
 
-def _loads(data, fds: list[int]):
+def _loads(data, fds: list[int], private: bool = False):
     if not fds:
         return pickle.loads(data)
     if data and data[0] == 0:  # a lane: pickle data starts with PROTO (0x80)
-        return _lane_loads(data, fds)
-    ctx = RecvContext(fds)
+        return _lane_loads(data, fds)  # only arrays shared already take a lane
+    ctx = RecvContext(fds, private)
     prev = getattr(_wire.current, "recv", None)
     _wire.current.recv = ctx
     loaded = False
@@ -392,8 +394,14 @@ def _rebuild_segment(key, kind, size, table_id, slot, data_i, lock_i):
     return anchor
 
 
-def _rebuild_array(anchor, offset, shape, strides, dtype, readonly):
+def _rebuild_array(anchor, offset, shape, strides, dtype, readonly, copied=False):
+    """A received array on shared memory.  One the sender ``copied`` there only to send it
+    (a plain array, not a shared one) is a value: where the channel keeps values (a
+    manager's server), it becomes a private copy, so that what the server hands out later
+    is copied again, as the stdlib's manager does, and never a view two readers write."""
     a = np.ndarray(shape, np.dtype(dtype), buffer=anchor, offset=offset, strides=strides)
+    if copied and _wire.private_values():
+        a = a.copy(order="K")  # the segment's hold goes with the view
     if readonly:
         a.flags.writeable = False
     _stats.bump("arrays_received")

@@ -85,10 +85,15 @@ class LaneContext(SendContext):
 
 
 class RecvContext:
-    __slots__ = ("fds", "after", "memo", "claims", "deferred")
+    """What one incoming message's rebuild functions share; ``private``: arrays that the
+    sender copied into shared memory only to send them arrive as private copies (a
+    manager's server keeps values, as the stdlib's does, not views others can write)."""
 
-    def __init__(self, fds: list[int]) -> None:
+    __slots__ = ("fds", "after", "memo", "claims", "deferred", "private")
+
+    def __init__(self, fds: list[int], private: bool = False) -> None:
         self.fds = fds
+        self.private = private
         self.after: list = []
         self.memo: dict = {}
         self.claims: dict[int, set] = {}  # in-flight description's index -> slots it covers
@@ -192,3 +197,9 @@ def received_fd(i: int) -> int:
             "this pickle holds a shmtensor handle and can only be loaded from the shmtensor "
             "channel it was sent on")
     return ctx.fds[i]
+
+
+def private_values() -> bool:
+    """True while a message is loaded whose copied arrays must arrive as private copies."""
+    ctx: RecvContext | None = getattr(current, "recv", None)
+    return ctx is not None and ctx.private

@@ -220,9 +220,34 @@ def test_manager_carries_arrays(lc):
         shared.append(x)
         y = shared[0]
         assert y.base is x.base  # through the manager process and back: our own memory
-        shared.append(np.full(200_000, 2.0))  # large, not shared: one copy, then handles
+        shared.append(np.full(200_000, 2.0))  # large, not shared: crosses by a segment
         np.testing.assert_array_equal(shared[1], np.full(200_000, 2.0))
         del y, shared
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_manager_hands_out_copies_of_plain_arrays_as_the_stdlib_does(method, lc):
+    # A plain array stored in a manager is a value: each read is a copy of its own, which
+    # its reader may write without changing what the manager holds or what others read.
+    # Shared arrays stay shared (the manager hands out the same memory).
+    with smp.get_context(method).Manager() as m:
+        lc.check_pid(m._process.pid)
+        lst, d = m.list(), m.dict()
+        big = np.arange(1 << 20, dtype=np.float64)  # 8 MiB: above the inline threshold
+        lst.append(big)
+        d["k"] = big
+        x = lst[0]
+        x[:5] = -1
+        y = lst[0]
+        assert y[:3].tolist() == [0.0, 1.0, 2.0] and not np.shares_memory(x, y)
+        z = d["k"]
+        z += 100
+        assert float(d["k"][1]) == 1.0
+        s = shmtensor.zeros(1 << 20)
+        lst.append(s)
+        s[0] = 7.0
+        assert float(lst[1][0]) == 7.0  # shared: the very memory
+        del x, y, z, s, lst, d
 
 
 def test_drop_in_exports_every_multiprocessing_name():

@@ -48,7 +48,13 @@ def _wrap(conn):
 class _Listener(_mpc.Listener):
     def accept(self):
         conn = super().accept()
-        return _wrap(conn) if self._listener._family == "AF_UNIX" else conn
+        if self._listener._family != "AF_UNIX":
+            return conn
+        conn = _wrap(conn)
+        # The server keeps values: a plain array a client stores is the server's own copy,
+        # and each read hands out a new one (shared arrays stay shared)
+        conn._private = True
+        return conn
 
 
 def _Client(address, family=None, authkey=None):
