@@ -48,9 +48,9 @@ from .scm_rights import close_fds
 
 __all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "hold_sole",
            "lock_shared", "establish", "release", "release_many", "inflight_fd", "sendable",
-           "kept_budget", "holdings_kept", "probe_held", "forget_idle", "shed_kept", "retry_after_shedding",
-           "own_fds", "table_count", "before_fork", "after_fork_in_parent",
-           "after_fork_in_child"]
+           "kept_budget", "holdings_kept", "probe_held", "forget_idle", "shed_kept",
+           "retry_after_shedding", "own_fds", "table_count", "before_fork",
+           "after_fork_in_parent", "after_fork_in_child"]
 
 HAVE_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")
 _SETLK = getattr(fcntl, "F_OFD_SETLK", 37)

@@ -389,7 +389,10 @@ def cmd_leak_check(args) -> int:
     _become_subreaper()
     watch = _TreeWatch(os.getpid())
     proc = _run(args.command)
-    if isinstance(proc, int):
+    if isinstance(proc, int):  # not started: no report to write
+        if report_file is not None:
+            report_file.close()
+            os.unlink(args.json_file)
         return proc
     watch.add(proc.pid, " ".join(args.command)[:200])
     status, words = _status(_wait(proc, watch))

@@ -51,6 +51,9 @@ def test_leak_check_refuses_a_report_path_it_cannot_write_before_running(tmp_pat
             sys.executable, "-c", f"open({str(marker)!r}, 'w')")
     assert r.returncode == 2 and "--json-file" in r.stderr, r.stderr
     assert not marker.exists()
+    report = tmp_path / "report.json"
+    r = run("leak-check", "--json-file", str(report), "--", str(tmp_path / "no-such-command"))
+    assert r.returncode == 127 and not report.exists()  # nothing ran: no (empty) report
 
 
 def test_leak_check_reports_leaked_segment_and_process(tmp_path):

@@ -1,5 +1,6 @@
 """Behaviour across processes: the seed's CPU tests ported, plus lifetimes and limits."""
 
+import contextlib
 import concurrent.futures
 import os
 import time
@@ -307,13 +308,22 @@ def test_queue_close_without_a_feeder_thread_closes_its_socket():
     assert q._reader.closed and q._writer.closed
 
 
+@contextlib.contextmanager
+def receive_spin(us: int):
+    """This process's receive spin at ``us`` inside, its own value again after."""
+    prev = shmtensor.get_receive_spin()
+    shmtensor.set_receive_spin(us)
+    try:
+        yield
+    finally:
+        shmtensor.set_receive_spin(prev)
+
+
 @pytest.mark.parametrize("holder", ["SpawnQueueHolder", "ForkserverQueueHolder"])
 def test_queues_held_by_a_process_subclass_take_the_parents_settings(holder, lc):
     # Queues kept as attributes of a Process subclass are made in the child as the process
     # is unpickled: the parent's settings must apply before, as for its arguments.
-    prev = shmtensor.get_receive_spin()
-    shmtensor.set_receive_spin(2500)
-    try:
+    with receive_spin(2500):
         ctx = smp.get_context("spawn" if holder.startswith("Spawn") else "forkserver")
         inq, outq = ctx.Queue(), ctx.Queue()
         p = getattr(helpers, holder)(inq, outq)
@@ -326,17 +336,13 @@ def test_queues_held_by_a_process_subclass_take_the_parents_settings(holder, lc)
         assert p.exitcode == 0
         inq.close()
         outq.close()
-    finally:
-        shmtensor.set_receive_spin(prev)
 
 
 @pytest.mark.parametrize("start_method", START_METHODS)
 def test_a_child_reads_with_its_parents_receive_spin_and_misses_nothing(start_method, lc):
     # The reader polls before it sleeps (with its parent's setting): messages sent while it
     # polls, or while it sleeps between chunks, arrive whole and in order, with their arrays.
-    prev = shmtensor.get_receive_spin()
-    shmtensor.set_receive_spin(3000)
-    try:
+    with receive_spin(3000):
         ctx = smp.get_context(start_method)
         inq, outq = ctx.Queue(), ctx.Queue()
         p = ctx.Process(target=helpers.relay_sums_with_spin, args=(inq, outq, 300))
@@ -353,5 +359,3 @@ def test_a_child_reads_with_its_parents_receive_spin_and_misses_nothing(start_me
         assert p.exitcode == 0
         inq.close()
         outq.close()
-    finally:
-        shmtensor.set_receive_spin(prev)
