@@ -37,10 +37,14 @@ def pytest_runtest_call(item):
     checker = leak_checker(timeout=item.config.getoption("--shmtensor-leak-timeout"))
     checker.__enter__()
     outcome = yield
-    if outcome.excinfo is None:
-        try:
-            checker.__exit__(None, None, None)
-        except LeakError as e:
-            outcome.force_exception(e) if hasattr(outcome, "force_exception") else None
-            if not hasattr(outcome, "force_exception"):
-                raise
+    if outcome.excinfo is not None:
+        return
+    try:
+        checker.__exit__(None, None, None)
+    except LeakError as e:
+        # the leak list is the whole report: the plugin's own frames say nothing useful
+        failure = pytest.fail.Exception(f"shmtensor leak check: {e}", pytrace=False)
+        if hasattr(outcome, "force_exception"):
+            outcome.force_exception(failure)
+        else:  # pluggy < 1.4
+            raise failure from None
