@@ -12,8 +12,10 @@ Run it with ``scripts/demo`` (or ``python examples/dataloader.py`` inside the ve
 from __future__ import annotations
 
 import multiprocessing
+import queue
 import sys
 import time
+import traceback
 
 import numpy as np
 
@@ -30,35 +32,60 @@ def make_batch(out: np.ndarray, index: int) -> None:
     out[:, 0, 0] = np.arange(out.shape[0])
 
 
-def worker(rank: int, nworkers: int, nbatches: int, out, use_pool: bool) -> None:
-    pool = shmtensor.BatchPool(BATCH, np.float32, slots=3) if use_pool else None
-    for index in range(rank, nbatches, nworkers):
-        batch = pool.acquire() if pool is not None else np.empty(BATCH, np.float32)
-        make_batch(batch, index)
-        out.put((index, batch))
-        del batch
-    out.put((None, shmtensor.debug_info() if use_pool else {}))
+def worker(rank: int, nworkers: int, nbatches: int, out, use_pool: bool,
+           fill=make_batch) -> None:
+    try:
+        pool = shmtensor.BatchPool(BATCH, np.float32, slots=3) if use_pool else None
+        for index in range(rank, nbatches, nworkers):
+            batch = pool.acquire() if pool is not None else np.empty(BATCH, np.float32)
+            fill(batch, index)
+            out.put((index, batch))
+            del batch
+        out.put((None, shmtensor.debug_info() if use_pool else {}))
+    except Exception as e:  # the trainer re-raises it, with this traceback
+        out.put((WorkerError, (rank, type(e), traceback.format_exc())))
+
+
+class WorkerError(Exception):
+    """Marks a worker's failure on the queue (never raised itself)."""
+
+
+def reraise(rank: int, exc_type: type, tb: str) -> None:
+    """Raise a worker's exception in the trainer, as torch's DataLoader does: the same type
+    where it can be built from a message, with the worker's traceback in the message."""
+    msg = f"Caught {exc_type.__name__} in data loader worker {rank}.\nOriginal {tb}"
+    try:
+        err = exc_type(msg)
+    except Exception:
+        err = RuntimeError(msg)
+    raise err
 
 
 class Loader:
     """Iterate over ``nbatches`` batches made by ``nworkers`` processes of context ``ctx``."""
 
-    def __init__(self, ctx, nworkers: int, nbatches: int) -> None:
-        self.ctx, self.nworkers, self.nbatches = ctx, nworkers, nbatches
+    def __init__(self, ctx, nworkers: int, nbatches: int, fill=make_batch) -> None:
+        self.ctx, self.nworkers, self.nbatches, self.fill = ctx, nworkers, nbatches, fill
         self.worker_info: list[dict] = []
 
     def __iter__(self):
         use_pool = isinstance(self.ctx, smp.SpawnContext)
         out = self.ctx.Queue(maxsize=2 * self.nworkers)
         procs = [self.ctx.Process(target=worker, args=(r, self.nworkers, self.nbatches, out,
-                                                       use_pool), daemon=True)
+                                                       use_pool, self.fill), daemon=True)
                  for r in range(self.nworkers)]
         for p in procs:
             p.start()
         done = 0
         try:
             while done < self.nworkers:
-                index, batch = out.get(timeout=120)
+                try:
+                    index, batch = out.get(timeout=1.0)
+                except queue.Empty:
+                    self._check_alive(procs)
+                    continue
+                if index is WorkerError:
+                    reraise(*batch)
                 if index is None:
                     done += 1
                     self.worker_info.append(batch)
@@ -67,6 +94,16 @@ class Loader:
         finally:
             for p in procs:
                 p.join(30)
+                if p.is_alive():
+                    p.terminate()
+                    p.join(5)
+
+    @staticmethod
+    def _check_alive(procs) -> None:
+        for rank, p in enumerate(procs):
+            if p.exitcode not in (None, 0):
+                raise RuntimeError(f"data loader worker {rank} (pid {p.pid}) exited "
+                                   f"unexpectedly with exit code {p.exitcode}")
 
 
 def progress(label: str, n: int, nbatches: int, rate: float, startup: float) -> str:
