@@ -84,6 +84,7 @@ def test_wheels_carry_every_module_and_nothing_outside_shmtensor(built):
         assert expected <= files, f"{w.name} lacks {sorted(expected - files)}"
         assert all(f.startswith("shmtensor/") for f in files), sorted(files)
         assert "shmtensor/ipc/posix_shm.py" in files  # the ipc link, followed
+        assert "shmtensor/py.typed" in files  # PEP 561 marker: mypy reads our annotations
     with tarfile.open(sdist) as t:
         members = {m.name.split("/", 1)[1]: m for m in t.getmembers() if "/" in m.name}
     link = members.get("shmtensor/ipc")
