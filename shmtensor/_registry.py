@@ -7,6 +7,11 @@ lazily: :func:`register_lazy` names its top-level module and an installer, which
 first time the channels pickle after that module was imported (it must not be imported just
 to find out).  Every registration bumps :data:`version`, which the picklers compare to
 rebuild their dispatch tables.  One lock guards all of it; installers run outside it.
+
+Adapters are installed in isolation: an installer that raises (a module named ``cupy`` that
+is not CuPy, a broken install) is reported once, as a warning of the ``shmtensor`` logger,
+and disabled: what it registered is taken back and it never runs again, while numpy and the
+other adapters keep working.
 """
 
 from __future__ import annotations
@@ -21,7 +26,15 @@ _lanes: dict[type, Callable] = {}              # type -> dumps(obj) -> (payload,
 _lane_kinds: dict[bytes, Callable] = {}        # 2-byte message kind -> loads(data, fds)
 _lazy: dict[str, list[Callable[[], None]]] = {}  # top-level module -> installers to run
 _stats: list[Callable[[], dict]] = []          # debug_info() counters of adapters
+_installing = threading.local()  # .added: what the installer running in this thread registered
 version = 0
+
+
+def _record(table: dict, key) -> None:
+    """Note that the installer running in this thread (if any) registered ``table[key]``."""
+    added = getattr(_installing, "added", None)
+    if added is not None:
+        added.append((table, key, table[key]))
 
 
 def register(cls: type, reduce: Callable, lane: Callable | None = None) -> None:
@@ -31,8 +44,10 @@ def register(cls: type, reduce: Callable, lane: Callable | None = None) -> None:
     global version
     with _lock:
         _reducers[cls] = reduce
+        _record(_reducers, cls)
         if lane is not None:
             _lanes[cls] = lane
+            _record(_lanes, cls)
         version += 1
 
 
@@ -45,6 +60,7 @@ def register_lane_kind(kind: bytes, loads: Callable) -> None:
         if _lane_kinds.get(kind, loads) is not loads:
             raise ValueError(f"lane kind {kind!r} is registered already")
         _lane_kinds[kind] = loads
+        _record(_lane_kinds, kind)
 
 
 def register_lazy(module: str, install: Callable[[], None]) -> None:
@@ -52,7 +68,7 @@ def register_lazy(module: str, install: Callable[[], None]) -> None:
     someone: at once if it is imported already, else before the channels next pickle."""
     global version
     if sys.modules.get(module) is not None:  # imported already: install now
-        install()
+        _install(module, install)
         return
     with _lock:
         _lazy.setdefault(module, []).append(install)
@@ -74,11 +90,41 @@ def install_pending() -> None:
         return
     with _lock:
         ready = [m for m in _lazy if modules.get(m) is not None]
-        installers = [fn for m in ready for fn in _lazy.pop(m)]
+        installers = [(m, fn) for m in ready for fn in _lazy.pop(m)]
         if installers:
             version += 1
-    for fn in installers:
-        fn()
+    for module, fn in installers:
+        _install(module, fn)
+
+
+def _install(module: str, install: Callable[[], None]) -> None:
+    """Run one adapter's installer in isolation: if it raises, take back what it registered
+    and report it once (see the module docs); the caller goes on as if it had none."""
+    global version
+    _installing.added = added = []
+    try:
+        install()
+    except Exception as e:
+        with _lock:
+            for table, key, value in added:
+                if table.get(key) is value:
+                    del table[key]
+            version += 1
+        _report_failed(module, install, e)
+    finally:
+        _installing.added = None
+
+
+def _report_failed(module: str, install: Callable, error: Exception) -> None:
+    import logging
+    where = getattr(sys.modules.get(module), "__file__", None) or "an unknown location"
+    logging.getLogger("shmtensor").warning(
+        "shmtensor: the adapter for %s (%s.%s) failed and is disabled: %s: %s. The %s "
+        "imported from %s is not a working install: repair or reinstall it, or rename what "
+        "shadows it on sys.path. Its objects now cross shmtensor's channels as ordinary "
+        "pickles; numpy arrays and other adapters are not affected.",
+        module, install.__module__, install.__qualname__, type(error).__name__, error,
+        module, where)
 
 
 def tables() -> tuple[dict, dict]:
