@@ -178,3 +178,42 @@ def test_installed_wheel_sends_arrays_between_processes(built, tmp_path):
            if k != "PYTHONPATH" and not k.startswith("SHMTENSOR_")}
     r = sh(py, "-I", "queue_check.py", cwd=tmp_path, env=env)
     assert "spawn ok" in r.stdout and "fork ok" in r.stdout, r.stdout
+
+
+def readme_install_commands() -> list[str]:
+    """The commands of the README's Install section, comments stripped."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Install", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash", 1)[1].split("```", 1)[0]
+    return [line.split("#", 1)[0].strip() for line in block.splitlines()
+            if line.split("#", 1)[0].strip()]
+
+
+def test_readme_install_commands_work(built, tmp_path):
+    """Every command of the README's Install section, run as written from a copy of the
+    tree in a fresh venv: `pip install .` for real, the extras resolved (`--dry-run`: CuPy
+    and Ray are large downloads that a machine without a GPU cannot use), the build."""
+    *_, py = built
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(
+        ".venv*", ".git", "build", "dist", "*.egg-info", "__pycache__", "bench-results"))
+    venv = tmp_path / "venv"
+    sh(py, "-m", "venv", venv)
+    pip = [venv / "bin" / "python", "-m", "pip", "--disable-pip-version-check"]
+    commands = readme_install_commands()
+    assert "pip install ." in commands and "python -m build" in commands, commands
+    for command in commands:
+        words = command.replace("'", "").split()
+        if words[:2] == ["pip", "install"]:
+            extra = "[" in words[2]  # `pip install .[x]`: resolved, not downloaded
+            sh(*pip, "install", "-q", *(["--dry-run"] if extra else []), *words[2:], cwd=src)
+        elif words[:3] == ["python", "-m", "build"]:
+            sh(venv / "bin" / "python", "-m", "build", *words[3:], cwd=src)
+            assert list((src / "dist").glob("shmtensor-*.whl"))
+        else:
+            raise AssertionError(f"the README's Install section has a command this test "
+                                 f"does not know how to try: {command!r}")
+    r = sh(venv / "bin" / "python", "-I", "-c",
+           "import shmtensor, shmtensor.multiprocessing; print(shmtensor.zeros(3).sum())",
+           cwd=tmp_path)
+    assert r.stdout.strip() == "0.0"
