@@ -20,13 +20,15 @@ SIZES = [1 << 10, 64 << 10, 256 << 10, 1 << 20, 16 << 20, 128 << 20]
 
 
 def producer(queue, nbytes: int, count: int, shared: bool) -> None:
-    """Send ``count`` arrays of ``nbytes`` (one reused array, like a loader's buffer)."""
-    n = nbytes // 8
-    a = shmtensor.zeros(n) if shared else np.zeros(n)
+    """Send ``count`` fresh arrays of ``nbytes``, each filled before it is sent and never
+    written after (a loader's batches): nothing is overwritten while in flight."""
+    make = shmtensor.empty if shared else np.empty
     queue.put("ready")
     for i in range(count):
-        a[0] = i
+        a = make(nbytes // 8)
+        a.fill(i)
         queue.put(a)
+        del a
     queue.put(shmtensor.debug_info())
 
 
@@ -39,13 +41,14 @@ def run(ctx, nbytes: int, count: int, shared: bool = False) -> tuple[float, dict
     assert q.get(timeout=60) == "ready"
     first = q.get(timeout=60)
     t0 = time.perf_counter()
-    for _ in range(count - 1):
+    for i in range(1, count):
         a = q.get(timeout=60)
-        float(a[0])  # the consumer 'uses' it
+        assert a[0] == i and a[-1] == i  # the consumer 'uses' it: every message is its own
+        del a
     dt = (time.perf_counter() - t0) / max(count - 1, 1)
     info = q.get(timeout=60)
     p.join(60)
-    del first, a
+    del first
     return dt, info if isinstance(info, dict) else {}
 
 
@@ -62,30 +65,28 @@ def fmt(seconds: float) -> str:
 
 COLUMNS = """\
 Each time is how long this process takes to receive one array, on average, while a
-producer process streams them through a Queue (lower is better; the first array, which
-pays for start-up, is not counted).  speed-up = stdlib time / shmtensor time: above 1.0x
-shmtensor is faster.
+producer process makes, fills and sends a fresh array per message through a Queue (lower
+is better; the first array, which pays for start-up, is not counted).  The producer's
+allocation and fill are in every column alike.  speed-up = stdlib time / shmtensor time:
+above 1.0x shmtensor is faster.
   stdlib     multiprocessing's Queue: every array is pickled through a pipe.
   shmtensor  the same plain numpy array through shmtensor's Queue: under the inline
              threshold ({threshold}) it is pickled into the message, as the stdlib does;
              from there on it is copied once into shared memory that shmtensor recycles,
              and only a handle crosses.
-  shared     an array made with shmtensor.zeros: nothing is copied, only a handle
-             crosses, so the time does not grow with the size.
+  shared     the producer makes each array with shmtensor.empty: nothing is copied, only
+             a handle crosses.
 """
 
 INLINE_ROWS = """\
 Rows under the inline threshold ({threshold}): the array is pickled into the message just as
 the stdlib pickles it, so shmtensor has no copy to save and the two are about even (0.5x
-to 2x, depending on the machine and the run).  Up to 32 KiB a message is sent by put()
-itself, which is why a few KiB often come out ahead; from 32 KiB to the threshold it waits
-for the queue's feeder thread, as the stdlib's messages do, and about one message in ten
-then takes ~100 us longer than the stdlib's, which pulls the average under 1x (64 KiB:
-0.5x to 1.1x measured on a quiet 16-core machine).  Around the threshold a segment costs
-as much (a fixed 30-100 us per message for its fd and lease), so the speed-up starts above
-it.  A shared array (last column) needs no copy at any size."""
+to 2x from run to run and machine to machine).  Near the threshold a segment's fixed cost
+per message (its fd and lease) is about what the copy it saves costs, so the speed-up
+grows with the size above it.  A shared array (last column) is never copied."""
 
-SLOWER_INLINE = "{mark} slower than the stdlib: {size} is under the inline threshold (see above)."
+SLOWER_INLINE = ("{mark} slower than the stdlib: {size} is under or near the inline threshold "
+                 "(see above).")
 SLOWER_SHARED = ("{mark} slower than the stdlib: a shared array crosses as a handle with its fd "
                  "and lease, a fixed\n  few tens of us; at {size} the stdlib's copy costs as "
                  "little.")
@@ -120,11 +121,12 @@ def main() -> int:
                       f"{t_std / t_shm:7.1f}x{' *' if slow else '  '}{fmt(t_sh):>10}  "
                       f"{t_std / t_sh:7.1f}x{' **' if slow_shared else ''}", flush=True)
                 below = nbytes < shmtensor.get_inline_threshold()
+                near = nbytes < 4 * shmtensor.get_inline_threshold()
                 if slow:
-                    notes.append((SLOWER_INLINE if below else SLOWER_OTHER).format(
+                    notes.append((SLOWER_INLINE if near else SLOWER_OTHER).format(
                         mark="*", size=label, threshold=threshold))
                 if slow_shared:
-                    notes.append((SLOWER_SHARED if below else SLOWER_OTHER).format(
+                    notes.append((SLOWER_SHARED if near else SLOWER_OTHER).format(
                         mark="**", size=label))
                 if not below:
                     made = info.get("segments_created", 0)
