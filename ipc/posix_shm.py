@@ -21,12 +21,16 @@ import ctypes
 import errno
 import mmap
 import os
+import re
+import stat
 import sys
+
+from . import shm_space
 
 __all__ = [
     "PREFIX", "SHM_DIR", "HAVE_MEMFD", "ShmSpaceError", "process_tag", "segment_name", "segment_key",
-    "parse_name", "create_memfd", "create_named", "open_named", "unlink_named", "map_fd", "Mapping",
-    "fd_limit_error",
+    "parse_name", "check_name", "create_memfd", "create_named", "open_named", "open_regular",
+    "check_extent", "unlink_named", "map_fd", "Mapping", "fd_limit_error", "space_error",
 ]
 
 PREFIX = "shmtensor"
@@ -34,7 +38,7 @@ SHM_DIR = "/dev/shm"
 HAVE_MEMFD = hasattr(os, "memfd_create")
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _POPULATE_FROM = 1 << 20
-_CHECK_MEMORY_FROM = 64 << 20
+_NAME = re.compile(PREFIX + r"_[0-9]+_[0-9a-f]+_[0-9]+")
 
 _tag: str | None = None
 
@@ -47,7 +51,15 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class ShmSpaceError(MemoryError):
-    """Raised when shared memory for a segment cannot be reserved (instead of a later SIGBUS)."""
+    """Raised when shared memory for a segment cannot be reserved (instead of a later SIGBUS
+    or an OOM kill).  ``needed``: the bytes asked for; ``free``: what was free."""
+
+    errno = errno.ENOSPC
+
+    def __init__(self, message: str, needed: int = 0, free: int = 0,
+                 named: bool = False) -> None:
+        super().__init__(message)
+        self.needed, self.free, self.named = needed, free, named
 
 
 def process_tag() -> str:
@@ -83,17 +95,23 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 1024:,.1f} KiB"
 
 
-def _space_error(size: int, named: bool, err: OSError) -> ShmSpaceError:
-    free = _available(named)
-    if named:
-        msg = (f"{SHM_DIR} has {_mb(free)} free, this array needs {_mb(size)}: run the container "
-               f"with a larger --shm-size (or remount {SHM_DIR} bigger), free space with "
-               f"'shmtensor clean', or use the file_descriptor strategy")
+def space_error(needed: int, named: bool, free: int, where: str,
+                slab: int = 0) -> ShmSpaceError:
+    """The error for ``needed`` bytes that do not fit in the ``free`` bytes of ``where``
+    (``slab``: the size of the slab a small array was to be carved from)."""
+    what = f"this array needs {_mb(needed)}" + (f" (in a {_mb(slab)} slab)" if slab else "")
+    if named and where.startswith(SHM_DIR):
+        fix = (f"run the container with a larger --shm-size (or remount {SHM_DIR} bigger), use "
+               "the file_descriptor sharing strategy (memfds are not counted against "
+               f"{SHM_DIR}), or keep fewer shared arrays alive")
+    elif "cgroup" in where:
+        fix = ("raise the container's memory limit (--memory), keep fewer shared arrays "
+               "alive, or send smaller ones")
     else:
-        msg = (f"could not reserve {_mb(size)} of anonymous shared memory ({err.strerror}; about "
-               f"{_mb(free)} of memory available): free memory, send smaller arrays, or raise the "
-               f"memory limit of this container")
-    return ShmSpaceError(errno.ENOSPC, msg)
+        fix = "free memory, keep fewer shared arrays alive, or send smaller ones"
+    return ShmSpaceError(f"no room for shared memory: {where} has {_mb(free)} free and {what}"
+                         f" (idle shared memory of this process was given back first): {fix}",
+                         needed, free, named)
 
 
 def fd_limit_error(err: OSError, what: str) -> OSError:
@@ -113,30 +131,23 @@ def fd_limit_error(err: OSError, what: str) -> OSError:
                    "queues and connections alive")
 
 
-def _available(named: bool) -> int:
-    if named:
-        st = os.statvfs(SHM_DIR)  # shutil.disk_usage's free, without importing shutil
-        return st.f_bavail * st.f_frsize
-    try:
-        import psutil
-        return psutil.virtual_memory().available
-    except Exception:  # psutil missing or /proc unreadable: let fallocate decide
-        return 1 << 62
-
-
 def _reserve(fd: int, size: int, named: bool) -> None:
-    # Refuse up front what cannot fit: fallocate would first take every free page, then
-    # fail.  Small segments skip the (slower) memory check: they cannot do that harm.
-    if (named or size >= _CHECK_MEMORY_FROM) and size > _available(named):
-        raise _space_error(size, named, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    # Refuse up front what cannot fit: under a cgroup limit fallocate would not fail but
+    # call the OOM killer, and on a full tmpfs it first takes every free page.
+    short = shm_space.shortfall(size, named, SHM_DIR) if size else None
+    if short is not None:
+        raise space_error(size, named, *short)
     try:
         os.ftruncate(fd, size)
         if size:
             os.posix_fallocate(fd, 0, size)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.ENOMEM):  # EFBIG is RLIMIT_FSIZE, not space
-            raise _space_error(size, named, e) from None
+            shm_space.forget()
+            free, where = shm_space.shortfall(1 << 62, named, SHM_DIR)
+            raise space_error(size, named, free, where) from None
         raise
+    shm_space.note_reserved(size)
 
 
 def create_memfd(name: str, size: int) -> int:
@@ -172,16 +183,54 @@ def create_named(name: str, size: int) -> int:
     return fd
 
 
-def open_named(name: str) -> int:
+def check_name(name: str) -> str:
+    """``name`` itself when it is a segment name of ours (never a path), else ValueError."""
+    if type(name) is not str or not _NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not a shmtensor segment name ({PREFIX}_PID_TOKEN_SERIAL):"
+                         " a corrupt or forged message; nothing was opened")
+    return name
+
+
+def open_regular(path: str, flags: int) -> int:
+    """``path`` opened with ``flags`` without following a symlink or blocking on a FIFO,
+    and only if it is a regular file (anything else raises OSError, nothing left open)."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        return os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file: not a segment")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_named(name: str) -> int:
+    """The segment /dev/shm/NAME opened read-write (``name`` checked: never a path)."""
+    path = os.path.join(SHM_DIR, check_name(name))
+    try:
+        return open_regular(path, os.O_RDWR)
     except FileNotFoundError:
         raise FileNotFoundError(
             errno.ENOENT, f"shared-memory segment {name!r} is gone from {SHM_DIR}: its creator "
             "released it before this process attached (was the message read after every holder "
             "let go?), or something outside shmtensor removed it") from None
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(e.errno, f"{path} is a symbolic link, not a segment: not "
+                          "followed") from None
         raise fd_limit_error(e, f"attaching segment {name!r}") from None
+
+
+def check_extent(fd: int, offset: int, size: int, key: str) -> None:
+    """Refuse to map ``size`` bytes at ``offset`` of ``fd`` unless the file is a regular
+    one that holds them: mapped past its end, the first read would be a SIGBUS."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"segment {key!r} came with an fd that is not a shared-memory file: "
+                         "a corrupt or forged message; not mapped")
+    if size < 0 or offset < 0 or offset % mmap.PAGESIZE or offset + size > st.st_size:
+        raise ValueError(f"segment {key!r}: the message says {size} bytes at offset {offset}, "
+                         f"its file holds {st.st_size}: a corrupt or forged message; not mapped")
 
 
 def unlink_named(name: str) -> bool:

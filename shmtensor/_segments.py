@@ -180,7 +180,11 @@ def file_of(key: str) -> tuple[str, int]:
     """The file name and offset of segment ``key``: ``NAME`` or ``NAME@OFFSET`` (one of
     several segments of one file)."""
     name, _, offset = key.partition("@")
-    return name, int(offset) if offset else 0
+    if not offset:
+        return name, 0
+    if not offset.isdigit():
+        raise ValueError(f"segment {key!r}: {offset!r} is not an offset: a corrupt message")
+    return name, int(offset)
 
 
 _lock = threading.RLock()  # everything below; re-entrant: a GC pass may run a finalizer here
@@ -619,8 +623,12 @@ def _attached(key: str, kind: str, size: int, table_id: str, slot: int,
     seg = _by_key.get(key)
     if seg is not None and seg.mm is not None:
         return seg, False
-    mapfd = fd if kind == FD else posix_shm.open_named(file_of(key)[0])
+    name, offset = file_of(key)
+    if fd is None and kind == FD:
+        raise ValueError(f"segment {key!r} came without its fd: a corrupt message")
+    mapfd = fd if kind == FD else posix_shm.open_named(name)
     try:
+        posix_shm.check_extent(mapfd, offset, size, key)
         seg = new_segment(key, kind, size, table_id, slot, own=False, fd=mapfd)
     except BaseException:
         if kind == FS:
