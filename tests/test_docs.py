@@ -55,3 +55,18 @@ def test_doc_block_runs(code, tmp_path):
                         str(script)], cwd=tmp_path, capture_output=True, text=True,
                        timeout=240, env=env)
     assert r.returncode == 0, f"the block failed:\n{code}\n--- output:\n{r.stdout}{r.stderr}"
+
+
+def test_the_reference_and_guides_build_without_a_warning(tmp_path):
+    """Sphinx (autodoc of the public modules, the guides through MyST) with warnings as
+    errors: a broken reference, a bad docstring or a guide left out of the index fails."""
+    if not (importlib.util.find_spec("sphinx") and importlib.util.find_spec("myst_parser")):
+        pytest.skip("needs sphinx and myst-parser (the test extra)")
+    r = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+                        str(ROOT / "docs"), str(tmp_path / "html")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    api = (tmp_path / "html" / "api.html").read_text()
+    for name in ("shmtensor.zeros", "shmtensor.multiprocessing.get_context",
+                 "shmtensor.futures.ProcessPoolExecutor", "shmtensor.testing.leak_checker"):
+        assert f'id="{name}"' in api, f"{name} is missing from the API reference"
