@@ -2,19 +2,20 @@
 
 Each is a real ``multiprocessing`` context (a subclass of the stdlib's fork, spawn or
 forkserver context) with shmtensor's factories, so it goes wherever a context is accepted.
-Under spawn and forkserver a Process pickles its target and arguments with shmtensor's
-reducers (by reference as the stdlib does, by value when that fails), and their fds go to
-the child with the process itself; the child needs no set-up.
+Under spawn and forkserver a Process is pickled whole with shmtensor's reducers (its target,
+arguments and a subclass's attributes; by reference as the stdlib does, by value when that
+fails), and their fds go to the child with the process itself; the child needs no set-up.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.context as _mpctx
+import os
 import sys
 from multiprocessing import reduction
 
-from .. import _reductions, _registry, _strategy
+from .. import _reductions, _registry, _strategy, _wire
 from .._connection import Pipe as _Pipe
 from .. import _queues
 
@@ -52,36 +53,48 @@ class _ParentSettings:
                                  _strategy.get_inline_threshold(), _strategy.get_receive_spin())
 
 
+def _rebuild_process(settings, data: bytes, dupfds: list, index: list[int]):
+    """In a spawned child: the Process, loaded from shmtensor's pickle of it.  ``settings``
+    (the parent's, see :class:`_ParentSettings`) were applied as they were unpickled.
+    ``dupfds`` are the message's distinct fds and ``index`` places them: each repeat gets
+    an fd of its own, as a channel's SCM_RIGHTS would give it."""
+    got = [d.detach() for d in dupfds]
+    fds, seen = [], set()
+    for i in index:
+        fds.append(os.dup(got[i]) if i in seen else got[i])
+        seen.add(i)
+    return _reductions.loads(data, fds)
+
+
 class _ShmProcess:
-    """Pickles target and args with shmtensor's reducers when spawned (fork needs nothing)."""
+    """Sent to a spawn or forkserver child whole through shmtensor's pickler: its target,
+    arguments and every attribute of a subclass, so a shared array kept on the process is
+    the same memory in the child (fork needs nothing: the child has the parent's)."""
+
+    def __reduce_ex__(self, protocol):
+        popen = _mpctx.get_spawning_popen()
+        if popen is None or getattr(_wire.current, "send", None) is not None:
+            # not being spawned, or already inside shmtensor's pickler: the plain reduction
+            # (class and __dict__), whose contents that pickler reduces
+            return super().__reduce_ex__(protocol)
+        # The stdlib's popen pickles the process: hand it to shmtensor's pickler.  By
+        # reference as the stdlib pickles it, by value if that fails: a failed first try
+        # may have registered fds with the popen, which a second would register again.
+        data, ctx = _reductions.dumps(self, undo=_forget_new_fds(popen))
+        self._shm_send = ctx  # the fds must stay open until the child has them (start())
+        fds = ctx.wire_fds()
+        distinct = list(dict.fromkeys(fds))  # spawn refuses an fd given twice
+        # the parent's settings first: unpickled before the process, they apply in the
+        # child before any channel in its state is made (a reader takes its receive spin
+        # when it is made)
+        return _rebuild_process, (_ParentSettings(), data,
+                                  [reduction.DupFd(fd) for fd in distinct],
+                                  [distinct.index(fd) for fd in fds])
 
     def __getstate__(self):
-        popen = _mpctx.get_spawning_popen()
-        # The parent's settings go first: unpickled before anything else of the process,
-        # they apply in the child before any channel in its state or arguments is made
-        # (a reader takes its receive spin when it is made).
-        state = {} if popen is None else {"_shm_settings": _ParentSettings()}
-        state.update(self.__dict__)
+        state = dict(self.__dict__)
         state.pop("_shm_send", None)
-        if popen is None:
-            return state
-        payload = (self._target, self._args, self._kwargs)
-        # by reference as the stdlib pickles it, by value if that fails: a failed first
-        # try may have registered fds with the popen, which a second would register again
-        data, ctx = _reductions.dumps(payload, undo=_forget_new_fds(popen))
-        self._shm_send = ctx  # the fds must stay open until the child has them (start())
-        state["_target"], state["_args"], state["_kwargs"] = None, (), {}
-        state["_shm_payload"] = (bytes(data), [reduction.DupFd(fd) for fd in ctx.wire_fds()])
         return state
-
-    def __setstate__(self, state):
-        payload = state.pop("_shm_payload", None)
-        state.pop("_shm_settings", None)  # applied already, as it was unpickled
-        self.__dict__.update(state)
-        if payload is not None:
-            data, dupfds = payload
-            fds = [d.detach() for d in dupfds]
-            self._target, self._args, self._kwargs = _reductions.loads(data, fds)
 
     def _bootstrap(self, *args, **kwargs):
         # In the child, before the target runs: adapters of libraries imported by now (torch,
