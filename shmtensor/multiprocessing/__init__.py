@@ -23,13 +23,13 @@ from ._context import (ForkContext, ForkServerContext, Process, SpawnContext,
                        get_context)
 from ._pool import RemoteError, WorkerLostError
 from ._spawn import (ProcessContext, ProcessException, ProcessExitedException,
-                     ProcessRaisedException, spawn, start_processes)
+                     ProcessRaisedException, ProcessTimeoutError, spawn, start_processes)
 
 __all__ = sorted(set(_mp_all) | {
     "get_context", "set_sharing_strategy", "get_sharing_strategy",
     "get_all_sharing_strategies", "ForkContext", "SpawnContext", "ForkServerContext",
     "spawn", "start_processes", "ProcessContext", "ProcessException", "ProcessRaisedException",
-    "ProcessExitedException", "WorkerLostError", "RemoteError"})
+    "ProcessExitedException", "ProcessTimeoutError", "WorkerLostError", "RemoteError"})
 
 
 def Queue(maxsize: int = 0):

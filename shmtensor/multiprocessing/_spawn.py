@@ -2,10 +2,11 @@
 
 Each child writes its traceback to an error file of its own if ``fn`` raises (a file, not a
 queue, so a dying child cannot leave a half-written message behind), and dies with its
-parent (``PR_SET_PDEATHSIG`` on Linux, and a thread watching the parent's sentinel).  ``join`` watches every
-child's sentinel: on the first failure it sends SIGTERM to the siblings, then SIGKILL
-after a grace period, and raises an exception carrying the rank, the exit code or signal,
-and the child's traceback.
+parent (``PR_SET_PDEATHSIG`` on Linux, and a thread watching the parent's sentinel).
+``join`` watches every child's sentinel: on the first failure it sends SIGTERM to the
+siblings, then SIGKILL after a grace period, and raises an exception carrying the rank, the
+exit code or signal, and the child's traceback.  ``spawn(..., timeout=T)`` stops every rank
+still running after T seconds the same way and raises :class:`ProcessTimeoutError`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 import traceback
 
 __all__ = ["spawn", "start_processes", "ProcessContext", "ProcessException",
-           "ProcessRaisedException", "ProcessExitedException"]
+           "ProcessRaisedException", "ProcessExitedException", "ProcessTimeoutError"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -54,6 +55,19 @@ class ProcessExitedException(ProcessException):
     def __reduce__(self):
         return type(self), (self.msg, self.error_index, self.pid, self.exit_code,
                             self.signal_name)
+
+
+class ProcessTimeoutError(ProcessException, TimeoutError):
+    """Ranks still ran when :func:`spawn`'s ``timeout`` expired; they were stopped
+    (SIGTERM, then SIGKILL after the grace period).  ``ranks`` and ``pids`` name them;
+    ``error_index`` and ``pid`` are the first of them."""
+
+    def __init__(self, msg: str, ranks: list[int], pids: list[int]) -> None:
+        super().__init__(msg, ranks[0], pids[0])
+        self.ranks, self.pids = list(ranks), list(pids)
+
+    def __reduce__(self):
+        return type(self), (self.msg, self.ranks, self.pids)
 
 
 def _die_with_parent(use_pdeathsig: bool) -> None:
@@ -119,6 +133,25 @@ class ProcessContext:
         self._stop_siblings(grace_period)
         self._raise(failed)
 
+    def _stop_hung(self, timeout: float, grace_period: float | None):
+        """``timeout`` expired: stop the ranks still running and raise, naming them."""
+        hung = [rank for rank in sorted(self.sentinels.values())
+                if self.processes[rank].is_alive()]
+        self._stop_siblings(grace_period)
+        if not hung:  # every one ended meanwhile: a failure among them is still reported
+            for rank, p in enumerate(self.processes):
+                if p.exitcode != 0:
+                    self._raise(rank)
+            return
+        pids = [int(self.processes[rank].pid) for rank in hung]
+        named = ", ".join(f"{rank} (pid {pid})" for rank, pid in zip(hung, pids))
+        raise ProcessTimeoutError(
+            f"spawn timed out after {timeout}s with {len(hung)} of {len(self.processes)} "
+            f"process(es) still running: rank(s) {named}; they were terminated (SIGTERM, then "
+            "SIGKILL after the grace period).  A rank that hangs is often waiting for a peer "
+            "that failed or for a message never sent; raise timeout if they are just slow",
+            hung, pids)
+
     def _stop_siblings(self, grace_period: float | None) -> None:
         alive = [p for p in self.processes if p.is_alive()]
         for p in alive:
@@ -163,11 +196,14 @@ class ProcessContext:
 
 
 def start_processes(fn, args=(), nprocs: int = 1, join: bool = True, daemon: bool = False,
-                    start_method: str = "spawn"):
+                    start_method: str = "spawn", *, timeout: float | None = None):
     """Like :func:`spawn`, for any start method."""
     from ._context import get_context
     if nprocs < 1:
         raise ValueError(f"nprocs must be at least 1, got {nprocs}")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout is a number of seconds > 0, or None to wait forever; "
+                         f"got {timeout!r}")
     ctx = get_context(start_method)
     processes, error_files = [], []
     main_thread = threading.current_thread() is threading.main_thread()
@@ -182,18 +218,24 @@ def start_processes(fn, args=(), nprocs: int = 1, join: bool = True, daemon: boo
     context = ProcessContext(processes, error_files)
     if not join:
         return context
-    while not context.join():
-        pass
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not context.join(None if deadline is None
+                           else max(0.0, deadline - time.monotonic())):
+        if deadline is not None and time.monotonic() >= deadline:
+            context._stop_hung(timeout, grace_period=5.0)
+            break
     return None
 
 
 def spawn(fn, args=(), nprocs: int = 1, join: bool = True, daemon: bool = False,
-          start_method: str = "spawn"):
+          start_method: str = "spawn", *, timeout: float | None = None):
     """Run ``fn(rank, *args)`` in ``nprocs`` processes (``rank`` = 0..nprocs-1).
 
     ``fn`` may be a lambda or a closure (it then goes by value, with cloudpickle).  With
     ``join`` (the default) this returns when every child exited and raises on the first
     failure; with ``join=False`` it returns a :class:`ProcessContext` to ``join(timeout)``
-    yourself.
+    yourself.  ``timeout`` (seconds, None: forever) bounds the wait of ``join=True``: the
+    ranks still running then are stopped and :class:`ProcessTimeoutError` (a
+    ``TimeoutError``) names them.
     """
-    return start_processes(fn, args, nprocs, join, daemon, start_method)
+    return start_processes(fn, args, nprocs, join, daemon, start_method, timeout=timeout)
