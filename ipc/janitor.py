@@ -28,48 +28,93 @@ import time
 import resource
 import select
 
-from . import posix_shm
+from . import posix_shm, procfs
 from .ofd_lease import lock_shared, probe_held
 
+# The janitor runs isolated (-I: no current directory, no PYTHON* variables, no user site;
+# -S: no site-packages, .pth files or sitecustomize) with one entry added after the
+# standard library: the folder this package was imported from.  So a module planted in the
+# directory a job starts from never runs inside it (as root, for a root job), and neither
+# does anything else on the job's path; the package itself and the standard library are
+# all it imports.  -c, not -m: with -m the path would have to come from PYTHONPATH.
+_BOOT = ("import sys; sys.path.append(sys.argv.pop(1)); "
+         "from shmtensor.ipc.janitor import main; main(sys.argv[1:])")
+
+_lock = threading.Lock()
 _sock: socket.socket | None = None
 _proc: subprocess.Popen | None = None
-_lock = threading.Lock()
+_names: dict[str, set[int]] = {}  # the live registry: every name told and its lease slots
+_lease_fds: list[int] = []
+
+
+def _package_root() -> str:
+    """The folder the shmtensor package was imported from (a checkout for an editable
+    install, site-packages for a wheel); not resolved: shmtensor/ipc may be a link."""
+    root = os.path.abspath(__file__)
+    for _ in __name__.split("."):  # shmtensor/ipc/janitor.py -> the packages' root
+        root = os.path.dirname(root)
+    return root
+
+
+def _start() -> None:
+    """Start a janitor and tell it every live name (the first one, or one after the last
+    died: it is not our peer any more, and what it was told is told again)."""
+    global _sock, _proc
+    if _proc is not None:
+        _proc.poll()  # reap the dead one
+    parent, child = socket.socketpair()
+    try:
+        _proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _BOOT, _package_root(), str(child.fileno()),
+             ",".join(map(str, _lease_fds)), str(os.getpid())],
+            pass_fds=(child.fileno(), *_lease_fds), start_new_session=True, cwd="/",
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
+    except BaseException:
+        parent.close()
+        raise
+    finally:
+        child.close()
+    _sock = parent
+    lines = "".join(f"+{slot} {name}\n" for name, slots in _names.items() for slot in slots)
+    if lines:
+        _sock.sendall(lines.encode(), socket.MSG_NOSIGNAL)
 
 
 def _send(line: str) -> None:
-    if _sock is None:
-        return
-    try:
-        _sock.sendall(line.encode())
-    except OSError:
-        pass
+    """Send ``line`` to the janitor; one that is gone (EPIPE, ECONNRESET) is replaced by a
+    new one that hears every live name.  MSG_NOSIGNAL: a program that set SIGPIPE to
+    SIG_DFL is not killed by a dead janitor."""
+    global _sock
+    if _sock is not None:
+        try:
+            _sock.sendall(line.encode(), socket.MSG_NOSIGNAL)
+            return
+        except OSError:
+            _sock.close()
+            _sock = None
+    if _names:
+        try:
+            _start()
+        except OSError:  # no fds or processes left: tried again at the next name
+            if _sock is not None:
+                _sock.close()
+            _sock = None
 
 
 def track(name: str, slot: int, lease_fds: list[int]) -> None:
     """Tell the janitor (started on first use) about a new named segment; ``lease_fds``:
     the creator's lease table files, slot ``s`` in file ``s % len(lease_fds)``."""
-    global _sock, _proc
+    global _lease_fds
     with _lock:
-        if _sock is None:
-            parent, child = socket.socketpair()
-            pkg_root = os.path.abspath(__file__)
-            for _ in __name__.split("."):  # shmtensor/ipc/janitor.py -> the packages' root
-                pkg_root = os.path.dirname(pkg_root)
-            env = dict(os.environ)
-            env["PYTHONPATH"] = pkg_root + os.pathsep + env.get("PYTHONPATH", "")
-            _proc = subprocess.Popen(
-                [sys.executable, "-m", __package__, str(child.fileno()),
-                 ",".join(map(str, lease_fds)), str(os.getpid())],
-                pass_fds=(child.fileno(), *lease_fds), start_new_session=True, env=env,
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
-            child.close()
-            _sock = parent
+        _lease_fds = list(lease_fds)
+        _names.setdefault(name, set()).add(slot)
         _send(f"+{slot} {name}\n")
 
 
 def untrack(name: str) -> None:
     with _lock:
-        _send(f"-0 {name}\n")
+        if _names.pop(name, None) is not None:
+            _send(f"-0 {name}\n")
 
 
 def own_fds() -> set[int]:
@@ -81,8 +126,9 @@ def janitor_pid() -> int | None:
 
 
 def after_fork_in_child() -> None:
-    """The child must not keep the parent's janitor waiting: close our copy of its socket."""
-    global _sock, _proc, _lock
+    """The child must not keep the parent's janitor waiting: close our copy of its socket.
+    The parent's names are its janitor's, not the child's."""
+    global _sock, _proc, _lock, _names, _lease_fds
     _lock = threading.Lock()
     if _sock is not None:
         try:
@@ -91,6 +137,8 @@ def after_fork_in_child() -> None:
             pass
     _sock = None
     _proc = None
+    _names = {}
+    _lease_fds = []
 
 
 def running_janitors() -> dict[int, int]:
@@ -99,17 +147,20 @@ def running_janitors() -> dict[int, int]:
     out = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info["cmdline"] or []
-        if len(cmd) >= 6 and cmd[1:3] == ["-m", __package__] and cmd[5].isdigit():
-            out[int(cmd[5])] = p.info["pid"]
+        if _BOOT in cmd and cmd[-1].isdigit():
+            out[int(cmd[-1])] = p.info["pid"]
     return out
 
 
 def in_use(name: str) -> bool:
     """True while a janitor holds named segment ``name`` (its creator, or a holder, may
-    still need it), as seen from any pid namespace; False when nobody does or it is gone."""
+    still need it), as seen from any pid namespace; False when nobody does, it is gone, or
+    it is not a regular file (see :mod:`.procfs`)."""
     try:
-        fd = os.open(os.path.join(posix_shm.SHM_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
+        fd = procfs.open_segment_file(name)
     except OSError:
+        return False
+    if fd is None:
         return False
     try:
         return probe_held(fd, 0)
@@ -127,11 +178,14 @@ class _Locks:
 
     def add(self, name: str) -> None:
         try:
-            fd = os.open(os.path.join(posix_shm.SHM_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
+            fd = procfs.open_segment_file(name, uid=os.geteuid())
         except FileNotFoundError:
             self.pending.add(name)  # created right after the creator told us
             return
         except OSError:  # no fds left: clean falls back to what /proc shows
+            return
+        if fd is None:  # not a file the creator made: it will not make one there
+            self.pending.discard(name)
             return
         try:
             lock_shared(fd, 0)
@@ -150,6 +204,11 @@ class _Locks:
     def retry(self) -> None:
         for name in list(self.pending):
             self.add(name)
+
+
+def main(argv: list[str]) -> None:
+    """The janitor process: ``SOCK_FD LEASE_FD,LEASE_FD,... CREATOR_PID``."""
+    _main(int(argv[0]), [int(fd) for fd in argv[1].split(",")])
 
 
 def _main(sock_fd: int, lease_fds: list[int]) -> None:

@@ -3,15 +3,26 @@
 ``/proc/PID/maps`` lists every mapping with its file (``/dev/shm/NAME`` or
 ``/memfd:NAME (deleted)``), and ``/proc/PID/fd/*`` links name every open file.  Processes
 this user may not inspect are skipped silently: run as their owner (or root) to see them.
+
+/dev/shm is writable by every local user, so a name that looks like shmtensor's may be
+anything: a FIFO (whose open for reading waits for a writer, forever), a symlink to a file
+elsewhere (or to a device, or to a FIFO its planter watches), a directory.  shmtensor
+makes regular files only.  Everything that looks into /dev/shm by name (``clean``, ``ls``,
+``leak-check``, the janitor) goes through :func:`shm_entries` (``lstat``, never following)
+and :func:`open_segment_file` (a regular file, opened with ``O_NOFOLLOW | O_NONBLOCK``),
+and leaves anything else alone.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 
 from . import posix_shm
 
-__all__ = ["SegmentUse", "scan", "named_segments"]
+__all__ = ["SegmentUse", "scan", "named_segments", "shm_entries", "file_kind",
+           "open_segment_file"]
 
 
 class SegmentUse:
@@ -76,8 +87,9 @@ def scan() -> dict[str, SegmentUse]:
     return uses
 
 
-def named_segments() -> dict[str, int]:
-    """Every shmtensor file in /dev/shm and its size."""
+def shm_entries() -> dict[str, os.stat_result]:
+    """Every shmtensor-like name in /dev/shm and its ``lstat`` (a symlink's own, never what
+    it points to): segments, and whatever else was put there under such a name."""
     out = {}
     try:
         names = os.listdir(posix_shm.SHM_DIR)
@@ -86,7 +98,48 @@ def named_segments() -> dict[str, int]:
     for name in names:
         if posix_shm.parse_name(name) is not None:
             try:
-                out[name] = os.stat(os.path.join(posix_shm.SHM_DIR, name)).st_size
+                out[name] = os.lstat(os.path.join(posix_shm.SHM_DIR, name))
             except FileNotFoundError:
                 continue
     return out
+
+
+def named_segments() -> dict[str, int]:
+    """Every shmtensor segment in /dev/shm (a regular file) and its size."""
+    return {name: st.st_size for name, st in shm_entries().items() if stat.S_ISREG(st.st_mode)}
+
+
+_KINDS = ((stat.S_ISREG, "file"), (stat.S_ISLNK, "symlink"), (stat.S_ISFIFO, "fifo"),
+          (stat.S_ISDIR, "directory"), (stat.S_ISSOCK, "socket"),
+          (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
+
+
+def file_kind(st: os.stat_result) -> str:
+    """What ``st`` (an ``lstat``) is, in a word: file, symlink, fifo, directory, ..."""
+    return next((word for test, word in _KINDS if test(st.st_mode)), "unknown")
+
+
+_SAFE_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+def open_segment_file(name: str, uid: int | None = None) -> int | None:
+    """A read-only fd of the regular file /dev/shm/NAME (owned by ``uid`` when given), or
+    None when NAME is anything else, which is left unopened (or closed at once when it was
+    swapped in between the look and the open: ``O_NONBLOCK`` keeps that open from
+    waiting on a FIFO, ``O_NOFOLLOW`` from following a symlink).  Raises FileNotFoundError
+    when NAME is gone, OSError when it cannot be opened (permission, no fds left)."""
+    path = os.path.join(posix_shm.SHM_DIR, name)
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode) or (uid is not None and st.st_uid != uid):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | _SAFE_OPEN)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a symlink now
+            return None
+        raise
+    st2 = os.fstat(fd)
+    if (st2.st_ino, st2.st_dev) != (st.st_ino, st.st_dev) or not stat.S_ISREG(st2.st_mode):
+        os.close(fd)  # replaced between the look and the open: look again later
+        return None
+    return fd

@@ -55,30 +55,45 @@ def _size(n: int) -> str:
     return str(n)
 
 
-def segments() -> list[dict]:
-    """Every shmtensor segment: named ones in /dev/shm and memfds some process maps or holds."""
+def segments(entries: dict[str, os.stat_result] | None = None) -> list[dict]:
+    """Every shmtensor segment: named ones in /dev/shm (regular files: see
+    :func:`not_segments`) and memfds some process maps or holds."""
     uses = procfs.scan()
-    named = procfs.named_segments()
+    if entries is None:
+        entries = procfs.shm_entries()
+    named = {n: st for n, st in entries.items() if stat.S_ISREG(st.st_mode)}
     now = time.time()
     rows = []
-    for name in sorted(set(named) | set(uses)):
+    for name in sorted(set(named) | (set(uses) - set(entries))):
         pid, token, serial = posix_shm.parse_name(name)
         if serial == "lease":
             continue
         use = uses.get(name)
-        row = {"name": name, "kind": "named" if name in named else "memfd",
-               "size": named.get(name, use.size if use else 0), "creator_pid": pid,
-               "creator_alive": _alive(pid),
-               "mapped_by": sorted(use.mapped_by) if use else [],
-               "fd_held_by": sorted(use.fd_held_by) if use else [], "age_s": None}
-        if name in named:
-            try:
-                mtime = os.stat(os.path.join(posix_shm.SHM_DIR, name)).st_mtime
-                row["age_s"] = round(now - mtime, 1)
-            except FileNotFoundError:
-                continue
-        rows.append(row)
+        st = named.get(name)
+        rows.append({"name": name, "kind": "named" if st else "memfd",
+                     "size": st.st_size if st else use.size, "creator_pid": pid,
+                     "creator_alive": _alive(pid),
+                     "mapped_by": sorted(use.mapped_by) if use else [],
+                     "fd_held_by": sorted(use.fd_held_by) if use else [],
+                     "age_s": round(now - st.st_mtime, 1) if st else None})
     return rows
+
+
+def not_segments(entries: dict[str, os.stat_result] | None = None) -> list[dict]:
+    """What sits in /dev/shm under a shmtensor-like name and is not a regular file (a FIFO,
+    a symlink, a directory): shmtensor never makes one, so it is not ours.  Listed, never
+    opened, followed or removed."""
+    if entries is None:
+        entries = procfs.shm_entries()
+    return [{"name": n, "kind": procfs.file_kind(st), "uid": st.st_uid}
+            for n, st in sorted(entries.items()) if not stat.S_ISREG(st.st_mode)]
+
+
+def _say_not_segments(rows: list[dict]) -> None:
+    for r in rows:
+        _say(f"not a segment: {posix_shm.SHM_DIR}/{r['name']} is a {r['kind']} (owner uid "
+             f"{r['uid']}); shmtensor makes regular files only, so it did not make this one "
+             "and leaves it alone: remove it by hand if it is unwanted")
 
 
 def _table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
@@ -105,14 +120,17 @@ _FILE_COLS = [("name", "NAME"), ("kind", "KIND"), ("size", "SIZE"), ("age_s", "A
 
 
 def cmd_ls(args) -> int:
-    rows = segments()
+    entries = procfs.shm_entries()
+    rows, others = segments(entries), not_segments(entries)
     if args.json:
-        _say(json.dumps({"segments": rows}, indent=2))
-    elif not rows:
+        _say(json.dumps({"segments": rows, "not_segments": others}, indent=2))
+        return 0
+    if not rows:
         _say("no shmtensor segments on this machine")
     else:
         _say(_table(rows, _LS_COLS))
         _say(f"\n{len(rows)} segment(s), {_size(sum(r['size'] for r in rows))}")
+    _say_not_segments(others)
     return 0
 
 
@@ -133,8 +151,9 @@ def _lease_open_somewhere() -> set[str]:
 def cmd_clean(args) -> int:
     janitors = janitor.running_janitors()
     leases = _lease_open_somewhere()
+    entries = procfs.shm_entries()
     removed, freed, failed = [], 0, []
-    for row in segments():
+    for row in segments(entries):
         pid, token, _ = posix_shm.parse_name(row["name"])
         if (row["kind"] != "named" or (row["age_s"] or 0) < CLEAN_MIN_AGE_S
                 or janitor.in_use(row["name"]) or row["creator_alive"] or row["mapped_by"]
@@ -147,13 +166,15 @@ def cmd_clean(args) -> int:
         if not args.dry_run:
             try:
                 posix_shm.unlink_named(row["name"])
-            except PermissionError:
-                failed.append(row["name"])
+            except OSError as e:  # not ours to remove, or no longer the file it was
+                failed.append((row["name"], e))
                 continue
         removed.append(row["name"])
         freed += row["size"]
-    for name in failed:
-        _say(f"cannot remove /dev/shm/{name}: permission denied (run as its owner or root)")
+    for name, e in failed:
+        fix = " (run as its owner or root)" if isinstance(e, PermissionError) else ""
+        _say(f"cannot remove /dev/shm/{name}: {e.strerror}{fix}")
+    _say_not_segments(not_segments(entries))
     verb = "would remove" if args.dry_run else "removed"
     for name in removed:
         _say(f"{verb} /dev/shm/{name}")
@@ -236,6 +257,17 @@ def _not_leak(name: str) -> str | None:
     return next((why for prefix, why in _NOT_LEAKS if name.startswith(prefix)), None)
 
 
+def _not_segment(name: str) -> bool:
+    """True for a name in /dev/shm that is no shmtensor segment: not a shmtensor name, or one
+    on anything but a regular file (see :func:`not_segments`)."""
+    if posix_shm.parse_name(name) is None:
+        return True
+    try:
+        return not stat.S_ISREG(os.lstat(os.path.join(posix_shm.SHM_DIR, name)).st_mode)
+    except OSError:
+        return False
+
+
 class _TreeWatch:
     """Follows the command's process tree and the names it makes in /dev/shm.
 
@@ -269,13 +301,13 @@ class _TreeWatch:
                 except psutil.Error:
                     self.add(child.pid, "?")
         pending = {ino: n for n, ino in self.new_names().items()
-                   if n not in self.openers and posix_shm.parse_name(n) is None}
+                   if n not in self.openers and _not_segment(n)}
         for name, pids in _openers(pending, [c.pid for c in children]).items():
             self.openers[name] = sorted(pids)
 
     def files(self) -> list[dict]:
         """New non-shmtensor names still in /dev/shm that the tree made (or may have)."""
-        new = {n: ino for n, ino in self.new_names().items() if posix_shm.parse_name(n) is None}
+        new = {n: ino for n, ino in self.new_names().items() if _not_segment(n)}
         unseen = {ino: n for n, ino in new.items() if n not in self.openers}
         others = _openers(unseen, (int(p) for p in os.listdir("/proc")
                                    if p.isdigit() and int(p) not in self.tree)) if unseen else {}
@@ -288,8 +320,7 @@ class _TreeWatch:
                 continue
             pids = self.openers.get(name, [])
             creator = pids[0] if pids else None
-            kind = ("semaphore" if name.startswith("sem.") else
-                    "directory" if stat.S_ISDIR(st.st_mode) else "file")
+            kind = "semaphore" if name.startswith("sem.") else procfs.file_kind(st)
             rows.append({"name": name, "kind": kind, "size": st.st_size,
                          "creator_pid": creator,
                          "creator": (f"pid {creator}: {self.tree.get(creator, '?')}"
@@ -475,7 +506,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "process maps or has open, whose creator's lease table no live process "
                     f"holds, that no janitor is handling, and that are older than "
                     f"{CLEAN_MIN_AGE_S:.0f} s. A message still unread in a queue of a dead "
-                    "job cannot be seen from outside; run clean when such jobs are over.")
+                    "job cannot be seen from outside; run clean when such jobs are over. "
+                    "Anything but a regular file under such a name (a FIFO, a symlink, a "
+                    "directory) is not a segment: it is reported, never opened, followed or "
+                    "removed.")
     cl.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
     cl.set_defaults(func=cmd_clean)
     lc = sub.add_parser(
