@@ -8,12 +8,22 @@ When the socket reaches EOF, the creator is gone, however it died; the janitor t
 every remaining name as soon as nobody holds its lease (holders and messages in flight may
 still attach by name until then), polling every 50-500 ms, and exits when none is left.
 
+The creator keeps every name it told (and has not unlinked) in a registry here.  When a
+write finds the janitor gone (killed, OOM-killed), a new one is started and told every
+name in it, so what was made before the death is still cleaned after the creator's.  The
+writes use ``MSG_NOSIGNAL``: a program that set SIGPIPE to its default is not killed by a
+janitor's death.  A janitor killed while its creator makes no more names is noticed only
+at the next one; meanwhile, and after the creator's death, ``shmtensor clean`` removes
+what it left.
+
 While it runs, the janitor holds an OFD read lock on byte 0 of every segment it tracks
 (one description each).  That is how ``shmtensor clean`` tells a segment in use from one
 left behind, from any pid namespace (a sidecar, an ``--ipc=host`` container): pids and
 /proc are per namespace, OFD locks on a /dev/shm file are not.  If the janitor itself is
 killed, ``shmtensor clean`` removes what it left: segments nobody locks, whose creator is
-dead and which no live process it can see maps.
+dead and which no live process it can see maps.  It opens only regular files owned by its
+own user (see :mod:`.procfs`): a FIFO or symlink put at a name before the creator makes it
+is never waited on or followed.
 """
 
 from __future__ import annotations
@@ -225,7 +235,10 @@ def _main(sock_fd: int, lease_fds: list[int]) -> None:
             locks.retry()
             if not select.select([sock], [], [], 0)[0]:
                 continue
-        data = sock.recv(65536)
+        try:
+            data = sock.recv(65536)
+        except ConnectionResetError:  # the creator is gone all the same
+            data = b""
         if not data:
             break
         buf += data
@@ -247,8 +260,11 @@ def _main(sock_fd: int, lease_fds: list[int]) -> None:
             # the creator's own descriptions of its table files take no locks: they see
             # every holder's
             held = any(probe_held(lease_fds[slot % len(lease_fds)], slot) for slot in slots)
-            if not held or not os.path.exists(os.path.join(posix_shm.SHM_DIR, name)):
-                posix_shm.unlink_named(name)
+            if not held or not os.path.lexists(os.path.join(posix_shm.SHM_DIR, name)):
+                try:
+                    posix_shm.unlink_named(name)
+                except OSError:  # a directory put at a name the creator never made
+                    pass
                 locks.drop(name)
                 del names[name]
         if names:
