@@ -21,7 +21,7 @@ from .._strategy import (get_all_sharing_strategies, get_sharing_strategy,
 from . import _managers  # noqa: F401 - registers the "shmtensor" serializer
 from ._context import (ForkContext, ForkServerContext, Process, SpawnContext,
                        get_context)
-from ._pool import RemoteError, WorkerLostError
+from .._reductions import RemoteError
 from ._spawn import (ProcessContext, ProcessException, ProcessExitedException,
                      ProcessRaisedException, ProcessTimeoutError, spawn, start_processes)
 
@@ -30,6 +30,19 @@ __all__ = sorted(set(_mp_all) | {
     "get_all_sharing_strategies", "ForkContext", "SpawnContext", "ForkServerContext",
     "spawn", "start_processes", "ProcessContext", "ProcessException", "ProcessRaisedException",
     "ProcessExitedException", "ProcessTimeoutError", "WorkerLostError", "RemoteError"})
+
+
+def __getattr__(name: str):
+    # the pool's module (and concurrent.futures under it) loads with the first pool, so a
+    # spawned child that never makes one does not import it
+    if name == "WorkerLostError":
+        from ._pool import WorkerLostError
+        return WorkerLostError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 def Queue(maxsize: int = 0):

@@ -1,0 +1,200 @@
+"""numpy arrays on shmtensor's channels: how they cross a process boundary and are rebuilt.
+
+Installed as an adapter (see :mod:`shmtensor._registry`) once numpy is imported, so a
+process that never handles an array never imports numpy.  A plain ``pickle.dumps`` of the
+same array uses numpy's own reduction and gives an ordinary, self-contained pickle.
+
+* An array whose memory is a segment crosses as a handle (segment key, offset, shape,
+  strides, dtype, read-only flag): no copy, and writes are visible both ways.
+* A view is sent as its root plus its place in the root, so several views of one base in
+  one message arrive as views of one buffer (the pickle memo sends the root once).  A
+  small view of a much larger base is compacted instead of dragging the base along.
+* A root that is not shared is pickled inline when small and copied once into a recycled
+  segment when large (see :mod:`shmtensor._strategy` for the threshold).
+* Object arrays fall back to numpy's own reduction.
+
+Segments themselves reduce to :func:`_rebuild_segment`; each message carries, per lease
+table file, one in-flight lock description and, for memfds, the segment fds (see
+:mod:`ipc.ofd_lease`).  The rebuild functions' import paths are part of the wire format.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+
+from shmtensor.ipc import scm_rights
+
+from . import _registry, _segments, _stats, _strategy, _wire
+from ._reductions import NUMPY_LANE
+from ._segments import FD, Segment
+from ._wire import (LaneContext, attach_fd, inflight_index, keep_alive, received_fd,
+                    received_lease, take_received_fd)
+
+
+def _dt(dt: np.dtype):
+    return dt.str if dt.fields is None and dt.subdtype is None and not dt.metadata else dt
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _reduce_ndarray(a: np.ndarray):
+    if a.dtype.hasobject:
+        return a.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    seg = _segments.segment_of(a)
+    if seg is not None and (seg.kind != FD or seg.fd is not None):
+        _stats.bump("arrays_sent_shared")
+        return _reduce_on(a, seg, not a.flags.writeable)
+    base = a.base
+    if isinstance(base, np.ndarray) and seg is None:
+        root = base
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        if ((root.flags.c_contiguous or root.flags.f_contiguous) and root.dtype.hasobject is False
+                and root.nbytes <= max(2 * a.nbytes, _strategy.get_inline_threshold())):
+            return _rebuild_view, (root, _ptr(a) - _ptr(root), a.shape, a.strides, _dt(a.dtype),
+                                   not a.flags.writeable)
+    return _reduce_root(a)
+
+
+def _reduce_root(a: np.ndarray):
+    """An array sent by value: inline when small, else copied once into a segment."""
+    if a.nbytes < _strategy.get_inline_threshold():
+        _stats.bump("arrays_sent_inline")
+        # numpy 2.4 pickles a strided array with its bytes but loses a non-native byte
+        # order on the way ('>i4' arrives as int32): a contiguous copy keeps it, and
+        # costs little under the inline threshold.
+        src = a if a.flags.c_contiguous or a.flags.f_contiguous else np.ascontiguousarray(a)
+        rv = src.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return rv if a.flags.writeable else (_rebuild_readonly, rv[:3])
+    kind = _strategy.get_sharing_strategy()
+    if a.nbytes <= _segments.SLAB_ITEM_MAX:
+        anchor, offset = _segments.carve(a.nbytes, kind)
+    else:
+        _, anchor = _segments.acquire(a.nbytes, kind)
+        offset = 0
+    # Anchored until the message is sent: a segment nobody holds could be handed to another
+    # thread's send and overwritten before this message's in-flight lock covers it.
+    keep_alive(anchor)
+    order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
+    dst = np.ndarray(a.shape, a.dtype, buffer=anchor, offset=offset, order=order)
+    np.copyto(dst, a, casting="no")
+    _stats.bump("arrays_sent_copied")
+    return _reduce_on(dst, _segments.segment_of(anchor), not a.flags.writeable, True)
+
+
+def _reduce_on(a: np.ndarray, seg: Segment, readonly: bool, copied: bool = False):
+    """``copied``: ``a`` is a copy made only to send a plain array (see _rebuild_array)."""
+    args = (seg, _ptr(a) - seg.address, a.shape, a.strides, _dt(a.dtype), readonly)
+    return _rebuild_array, (args + (True,) if copied else args)
+
+
+# A message that is one shared array (its memory a segment that can travel) goes without a
+# pickler: NUMPY_LANE and a plain pickle of the segment's and the view's fields, and its
+# fds (the segment's memfd, if it is one, then the in-flight description of its lease,
+# which the receiver keeps as its hold).  Anything else takes the pickler.
+
+def lane_dumps(a: np.ndarray):
+    """``a`` alone as a message ``(payload, LaneContext)``, or None when it is not shared."""
+    seg = _segments.segment_of(a)
+    if seg is None or (seg.kind == FD and seg.fd is None) or a.dtype.hasobject:
+        return None
+    anchor = seg.anchor()  # kept until sent: keeps the segment (and its memfd) here
+    # strides None: C-contiguous, not empty, with no axis of length 1 (the flag ignores
+    # the strides of those), so the receiver's ndarray computes the very same strides,
+    # which is faster than checking given ones
+    shape = a.shape
+    fields = (seg.key, seg.kind, seg.size, seg.table_id, seg.slot, _ptr(a) - seg.address,
+              shape, None if a.flags.c_contiguous and a.size and 1 not in shape else a.strides,
+              _dt(a.dtype), not a.flags.writeable)
+    _stats.bump("arrays_sent_shared")
+    return (NUMPY_LANE + pickle.dumps(fields, pickle.HIGHEST_PROTOCOL),
+            LaneContext(anchor, seg.fd if seg.kind == FD else None, seg.table_id, seg.slot))
+
+
+_dtypes: dict = {}  # dtype strings of lane messages -> numpy dtypes (a few, never evicted)
+
+
+def lane_loads(data, fds: list[int]):
+    """The array of a :func:`lane_dumps` message; closes every fd it does not keep.
+    The message's in-flight description covers this one slot, so it may itself become the
+    hold (``_segments.receive_sole``), with nothing deferred."""
+    try:
+        (key, kind, size, table_id, slot, offset, shape, strides, dtype,
+         readonly) = pickle.loads(memoryview(data)[len(NUMPY_LANE):])
+        if len(fds) != (2 if kind == FD else 1):
+            raise pickle.UnpicklingError(f"a shared array came with {len(fds)} fds")
+        anchor, took, kept = _segments.receive_sole(key, kind, size, table_id, slot,
+                                                    fds[0] if kind == FD else None, fds[-1])
+        if took:
+            fds[0] = -1
+        if kept:
+            fds[-1] = -1
+        dt = _dtypes.get(dtype) if type(dtype) is str else None
+        if dt is None:
+            dt = np.dtype(dtype)
+            if type(dtype) is str and len(_dtypes) < 256:
+                _dtypes[dtype] = dt
+        return _rebuild_array(anchor, offset, shape, strides, dt, readonly)
+    finally:
+        scm_rights.close_fds(fds)
+
+
+def _reduce_segment(seg: Segment):
+    ctx = _wire.send_context()
+    ctx.keep.append(seg.anchor())
+    i = inflight_index(seg.table_id, seg.slot)
+    d = attach_fd(seg.fd) if seg.kind == FD else -1
+    return _rebuild_segment, (seg.key, seg.kind, seg.size, seg.table_id, seg.slot, d, i)
+
+
+def _rebuild_segment(key, kind, size, table_id, slot, data_i, lock_i):
+    lease_fd, deferred = received_lease(table_id, slot, lock_i)
+    anchor, took = _segments.receive(key, kind, size, table_id, slot,
+                                     received_fd(data_i) if data_i >= 0 else None, lease_fd,
+                                     deferred)
+    if took:
+        take_received_fd(data_i)
+    return anchor
+
+
+def _rebuild_array(anchor, offset, shape, strides, dtype, readonly, copied=False):
+    """A received array on shared memory.  One the sender ``copied`` there only to send it
+    (a plain array, not a shared one) is a value: where the channel keeps values (a
+    manager's server), it becomes a private copy, so that what the server hands out later
+    is copied again, as the stdlib's manager does, and never a view two readers write."""
+    a = np.ndarray(shape, np.dtype(dtype), buffer=anchor, offset=offset, strides=strides)
+    if copied and _wire.private_values():
+        a = a.copy(order="K")  # the segment's hold goes with the view
+    if readonly:
+        a.flags.writeable = False
+    _stats.bump("arrays_received")
+    return a
+
+
+def _rebuild_readonly(fn, args, state=None):
+    """numpy's own reduction of a read-only array (which arrives writeable), read-only."""
+    a = fn(*args)
+    if state is not None:
+        a.__setstate__(state)
+    a.flags.writeable = False
+    return a
+
+
+def _rebuild_view(root, offset, shape, strides, dtype, readonly):
+    flat = root.ravel(order="K").view(np.uint8) if root.size else np.empty(0, np.uint8)
+    if 0 in shape:
+        a = np.empty(shape, np.dtype(dtype))
+    else:
+        a = np.ndarray(shape, np.dtype(dtype), buffer=flat, offset=offset, strides=strides)
+    if readonly:
+        a.flags.writeable = False
+    return a
+
+
+# Importing this module installs it (``_reductions`` imports it once numpy is imported).
+_registry.register(np.ndarray, _reduce_ndarray, lane_dumps)
+_registry.register(Segment, _reduce_segment)
