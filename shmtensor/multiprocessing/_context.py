@@ -91,11 +91,6 @@ class _ShmProcess:
                                   [reduction.DupFd(fd) for fd in distinct],
                                   [distinct.index(fd) for fd in fds])
 
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state.pop("_shm_send", None)
-        return state
-
     def _bootstrap(self, *args, **kwargs):
         # In the child, before the target runs: adapters of libraries imported by now (torch,
         # while unpickling a DataLoader worker) are installed before the first batch is made
