@@ -5,8 +5,8 @@ Only shmtensor's channels pickle with :class:`_Pickler`: the reducers registered
 the segments under them are one such adapter (:mod:`shmtensor._numpy`), installed once
 numpy is imported; CuPy's and torch's are others.  Functions and classes go by name, as
 the stdlib sends them, and by value (cloudpickle) only when that fails.  A process that
-never handles an array or a lambda imports neither numpy nor cloudpickle: a spawned worker
-costs what the stdlib's does.
+never handles an array or a lambda imports neither numpy nor cloudpickle (a spawned worker
+that does trivial work imports what the stdlib's does, and shmtensor's channels).
 """
 
 from __future__ import annotations

@@ -101,6 +101,7 @@ def _install(module: str, install: Callable[[], None]) -> None:
     """Run one adapter's installer in isolation: if it raises, take back what it registered
     and report it once (see the module docs); the caller goes on as if it had none."""
     global version
+    outer = getattr(_installing, "added", None)  # an installer may install another first
     _installing.added = added = []
     try:
         install()
@@ -112,7 +113,7 @@ def _install(module: str, install: Callable[[], None]) -> None:
             version += 1
         _report_failed(module, install, e)
     finally:
-        _installing.added = None
+        _installing.added = outer
 
 
 def _report_failed(module: str, install: Callable, error: Exception) -> None:

@@ -271,6 +271,8 @@ def _in_shmtensor_worker() -> bool:
 def _install() -> None:
     """torch was imported: its CPU tensors and storages cross by these reducers."""
     global _torch_new_shared
+    import numpy  # noqa: F401 - storages cross on segments, whose reducer is numpy's adapter:
+    _registry.install_pending()  # in before torch's first message is pickled
     torch = _torch()
     _registry.register(torch.Tensor, reduce_tensor)
     _registry.register(torch.nn.Parameter, reduce_tensor)
