@@ -26,22 +26,25 @@ __all__ = ["SegmentUse", "scan", "named_segments", "shm_entries", "file_kind",
 
 
 class SegmentUse:
-    """Who maps (``mapped_by``) and who has open (``fd_held_by``) segment ``name``.
-    A plain class, not a dataclass: the CLI imports this module, and dataclasses would
-    cost each ``shmtensor leak-check`` run ~7 ms of imports."""
+    """Who maps (``mapped_by``) and who has open (``fd_held_by``) segment ``name``, and the
+    uid owning the file as seen through an open fd of it (``uid``; None when no readable
+    process has one open).  A plain class, not a dataclass: the CLI imports this module,
+    and dataclasses would cost each ``shmtensor leak-check`` run ~7 ms of imports."""
 
-    __slots__ = ("name", "mapped_by", "fd_held_by", "size")
+    __slots__ = ("name", "mapped_by", "fd_held_by", "size", "uid")
 
     def __init__(self, name: str, mapped_by: set[int] | None = None,
-                 fd_held_by: set[int] | None = None, size: int = 0) -> None:
+                 fd_held_by: set[int] | None = None, size: int = 0,
+                 uid: int | None = None) -> None:
         self.name = name
         self.mapped_by = set() if mapped_by is None else mapped_by
         self.fd_held_by = set() if fd_held_by is None else fd_held_by
         self.size = size
+        self.uid = uid
 
     def __repr__(self) -> str:
         return (f"SegmentUse({self.name!r}, mapped_by={self.mapped_by}, "
-                f"fd_held_by={self.fd_held_by}, size={self.size})")
+                f"fd_held_by={self.fd_held_by}, size={self.size}, uid={self.uid})")
 
 
 def _segment_key(path: str) -> str | None:
@@ -81,7 +84,13 @@ def scan() -> dict[str, SegmentUse]:
                 if marker in target:
                     key = _segment_key(target)
                     if key is not None:
-                        uses.setdefault(key, SegmentUse(key)).fd_held_by.add(pid)
+                        u = uses.setdefault(key, SegmentUse(key))
+                        u.fd_held_by.add(pid)
+                        if u.uid is None:  # a memfd's owner: its inode, through the fd
+                            try:
+                                u.uid = os.stat(f"{fddir}/{fd}").st_uid
+                            except OSError:
+                                pass
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
     return uses

@@ -1,6 +1,7 @@
-"""``shmtensor`` command line: see what shared memory is in use, clean up, check for leaks.
+"""The shmtensor command: see what shared memory is in use, clean up, check for leaks.
 
-  shmtensor ls [--json]                        every shmtensor segment on this machine
+commands:
+  shmtensor ls [--mine] [--pid PID] [--json]   every shmtensor segment on this machine
   shmtensor clean [--dry-run]                  remove what no live process can still use
   shmtensor leak-check [--json] [--json-file PATH] [--timeout S] -- CMD ARGS...
                                                run CMD, report what its process tree left
@@ -14,6 +15,7 @@ import argparse
 import ctypes
 import json
 import os
+import pwd
 import signal
 import stat
 import subprocess
@@ -22,6 +24,7 @@ import time
 
 import psutil
 
+from shmtensor import __version__
 from shmtensor.ipc import janitor, posix_shm, procfs
 
 LEAK_EXIT = 97  # leak-check's exit status when the command leaked (distinct for CI)
@@ -39,11 +42,33 @@ def _say(text: str, stream=None) -> None:
         os.close(devnull)
 
 
-def _alive(pid: int) -> bool:
+def _process_uid(pid: int) -> int | None | bool:
+    """The effective uid of live process ``pid``; None when it is alive but its uid cannot
+    be read; False when no such process runs (or only its zombie is left)."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return proc.uids().effective
     except psutil.NoSuchProcess:
         return False
+    except psutil.Error:
+        return None
+
+
+_USERS: dict[int, str] = {}
+
+
+def _user(uid: int | None) -> str | None:
+    """The user name of ``uid`` (its number when it has none); None for None."""
+    if uid is None:
+        return None
+    if uid not in _USERS:
+        try:
+            _USERS[uid] = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            _USERS[uid] = str(uid)
+    return _USERS[uid]
 
 
 def _size(n: int) -> str:
@@ -57,7 +82,12 @@ def _size(n: int) -> str:
 
 def segments(entries: dict[str, os.stat_result] | None = None) -> list[dict]:
     """Every shmtensor segment: named ones in /dev/shm (regular files: see
-    :func:`not_segments`) and memfds some process maps or holds."""
+    :func:`not_segments`) and memfds some process maps or holds.
+
+    ``owner_uid`` is the uid owning the file (a memfd's is read through a process that has
+    it open: None when none does); ``creator_uid`` the effective uid of the process whose
+    pid the name carries, while it runs (None otherwise).  Both differ when another user
+    made the file under that pid's name."""
     uses = procfs.scan()
     if entries is None:
         entries = procfs.shm_entries()
@@ -70,9 +100,13 @@ def segments(entries: dict[str, os.stat_result] | None = None) -> list[dict]:
             continue
         use = uses.get(name)
         st = named.get(name)
+        creator_uid = _process_uid(pid)
+        owner_uid = st.st_uid if st else use.uid
         rows.append({"name": name, "kind": "named" if st else "memfd",
                      "size": st.st_size if st else use.size, "creator_pid": pid,
-                     "creator_alive": _alive(pid),
+                     "creator_alive": creator_uid is not False,
+                     "creator_uid": None if creator_uid is False else creator_uid,
+                     "owner_uid": owner_uid, "owner": _user(owner_uid),
                      "mapped_by": sorted(use.mapped_by) if use else [],
                      "fd_held_by": sorted(use.fd_held_by) if use else [],
                      "age_s": round(now - st.st_mtime, 1) if st else None})
@@ -91,9 +125,19 @@ def not_segments(entries: dict[str, os.stat_result] | None = None) -> list[dict]
 
 def _say_not_segments(rows: list[dict]) -> None:
     for r in rows:
-        _say(f"not a segment: {posix_shm.SHM_DIR}/{r['name']} is a {r['kind']} (owner uid "
-             f"{r['uid']}); shmtensor makes regular files only, so it did not make this one "
-             "and leaves it alone: remove it by hand if it is unwanted")
+        _say(f"not a segment: {posix_shm.SHM_DIR}/{r['name']} is a {r['kind']} (owner "
+             f"{_user(r['uid'])}, uid {r['uid']}); shmtensor makes regular files only, so it "
+             "did not make this one and leaves it alone: remove it by hand if it is unwanted")
+
+
+def _say_foreign_owners(rows: list[dict]) -> None:
+    """One line per segment whose file belongs to another user than its creator pid's."""
+    for r in rows:
+        if None not in (r["owner_uid"], r["creator_uid"]) and r["owner_uid"] != r["creator_uid"]:
+            _say(f"owner differs: {r['name']} belongs to {r['owner']} (uid {r['owner_uid']}) "
+                 f"but pid {r['creator_pid']} in its name runs as {_user(r['creator_uid'])} "
+                 f"(uid {r['creator_uid']}): another user made this file under that pid's "
+                 "name, or the pid was reused after its creator ended")
 
 
 def _table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
@@ -102,34 +146,78 @@ def _table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
     return "\n".join("  ".join(c[i].ljust(widths[i]) for i in range(len(cols))) for c in cells)
 
 
+TABLE_PIDS = 3  # pids shown in a table cell; the rest are counted (--json lists them all)
+
+
 def _fmt(v, key: str) -> str:
     if key == "size":
         return _size(v)
     if isinstance(v, list):
-        return ",".join(map(str, v)) or "-"
+        more = f" +{len(v) - TABLE_PIDS} more" if len(v) > TABLE_PIDS else ""
+        return ",".join(map(str, v[:TABLE_PIDS])) + more or "-"
     if isinstance(v, bool):
         return "alive" if v else "dead"
     return "-" if v is None else str(v)
 
 
-_LS_COLS = [("name", "NAME"), ("kind", "KIND"), ("size", "SIZE"), ("creator_pid", "CREATOR"),
-            ("creator_alive", "STATE"), ("age_s", "AGE(s)"), ("mapped_by", "MAPPED BY"),
-            ("fd_held_by", "FD HELD BY")]
+_LS_COLS = [("name", "NAME"), ("kind", "KIND"), ("size", "SIZE"), ("owner", "OWNER"),
+            ("creator_pid", "CREATOR"), ("creator_alive", "STATE"), ("age_s", "AGE(s)"),
+            ("mapped_by", "MAPPED BY"), ("fd_held_by", "FD HELD BY")]
+_LS_COLUMNS_DOC = f"""\
+columns:
+  NAME        the segment's name: shmtensor_<creator pid>_<token>_<serial>
+  KIND        named: a file in /dev/shm, which stays until it is removed;
+              memfd: an anonymous file, freed when no process maps or holds it
+  SIZE        its size, in binary units (1 KiB = 1024 bytes)
+  OWNER       the user owning the file (a memfd's is read through a process that has it
+              open: "-" when none does).  When it is not the user the creator pid runs
+              as, a line under the table says so: another user made the file under
+              that pid's name
+  CREATOR     the pid in the name: the process that made the segment
+  STATE       alive when that pid runs now, dead when it does not
+  AGE(s)      seconds since the file was last written to ("-" for a memfd)
+  MAPPED BY   pids that have the segment mapped into memory
+  FD HELD BY  pids that have a file descriptor of it open
+MAPPED BY and FD HELD BY show the first {TABLE_PIDS} pids, then how many more ("+5 more");
+--json lists them all.  Processes this user may not inspect are not seen: run as their
+owner (or root) to see them.
+
+filters (both at once: segments matching both):
+  --mine      segments whose file this user owns (for a memfd nobody holds open: whose
+              creator runs as this user)
+  --pid PID   segments PID made, maps or holds open
+"""
 _FILE_COLS = [("name", "NAME"), ("kind", "KIND"), ("size", "SIZE"), ("age_s", "AGE(s)"),
               ("creator", "CREATOR (first process of the tree seen holding it)")]
 
 
+def _wanted(args, pid: int, holders: list[int], uid: int | None) -> bool:
+    """Whether a row passes ls's filters: ``pid`` is the one in its name, ``holders`` the
+    processes that map or hold it, ``uid`` its owner's."""
+    if args.mine and uid != os.geteuid():
+        return False
+    return args.pid is None or args.pid == pid or args.pid in holders
+
+
 def cmd_ls(args) -> int:
     entries = procfs.shm_entries()
-    rows, others = segments(entries), not_segments(entries)
+    rows = [r for r in segments(entries)
+            if _wanted(args, r["creator_pid"], r["mapped_by"] + r["fd_held_by"],
+                       r["creator_uid"] if r["owner_uid"] is None else r["owner_uid"])]
+    others = [r for r in not_segments(entries)
+              if _wanted(args, posix_shm.parse_name(r["name"])[0], [], r["uid"])]
     if args.json:
         _say(json.dumps({"segments": rows, "not_segments": others}, indent=2))
         return 0
     if not rows:
-        _say("no shmtensor segments on this machine")
+        filters = [f for f, on in (("--mine", args.mine),
+                                    (f"--pid {args.pid}", args.pid is not None)) if on]
+        which = f" matching {' and '.join(filters)}" if filters else ""
+        _say(f"no shmtensor segments{which} on this machine")
     else:
         _say(_table(rows, _LS_COLS))
         _say(f"\n{len(rows)} segment(s), {_size(sum(r['size'] for r in rows))}")
+    _say_foreign_owners(rows)
     _say_not_segments(others)
     return 0
 
@@ -492,13 +580,37 @@ exit status:
 """
 
 
+def _pid(text: str) -> int:
+    try:
+        pid = int(text)
+    except ValueError:
+        pid = 0
+    if pid <= 0:
+        raise argparse.ArgumentTypeError(f"a pid is a positive whole number, got {text!r}")
+    return pid
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="shmtensor", description=__doc__,
+        prog="shmtensor", usage="%(prog)s [-h] [--version] COMMAND ...", description=__doc__,
+        epilog="Run 'shmtensor COMMAND --help' for what a command does and prints.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    ls = sub.add_parser("ls", help="list every shmtensor segment: size, creator, who maps it")
-    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--version", action="version", version=f"shmtensor {__version__}")
+    # the description lists the commands with their options: argparse's list is hidden
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", help=argparse.SUPPRESS,
+                           prog="shmtensor")
+    ls = sub.add_parser(
+        "ls", help="list every shmtensor segment: size, owner, creator, who maps it",
+        description="Lists every shmtensor segment on this machine: named ones in /dev/shm\n"
+                    "and memfds that some process maps or holds open.  Anything but a\n"
+                    "regular file under a shmtensor name is listed apart, as not a segment.",
+        epilog=_LS_COLUMNS_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ls.add_argument("--mine", action="store_true",
+                    help="only segments made by this user's processes")
+    ls.add_argument("--pid", type=_pid, metavar="PID",
+                    help="only segments made, mapped or held open by process PID")
+    ls.add_argument("--json", action="store_true",
+                    help="machine-readable output, with every pid of every segment")
     ls.set_defaults(func=cmd_ls)
     cl = sub.add_parser(
         "clean", help="remove named segments no live process can still use",
@@ -514,21 +626,27 @@ def build_parser() -> argparse.ArgumentParser:
     cl.set_defaults(func=cmd_clean)
     lc = sub.add_parser(
         "leak-check", help="run a command and report what its process tree left behind",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description=_LEAK_CHECK_DOC)
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=_LEAK_CHECK_DOC,
+        usage="%(prog)s [-h] [--json] [--json-file PATH] [--timeout S] -- CMD [ARGS ...]")
     lc.add_argument("--json", action="store_true",
                     help="machine-readable report, on stdout after the command's own output")
     lc.add_argument("--json-file", metavar="PATH",
                     help="also write the machine-readable report to PATH (apart from the "
                          "command's output)")
-    lc.add_argument("--timeout", type=float, default=5.0,
+    lc.add_argument("--timeout", type=float, default=5.0, metavar="S",
                     help="seconds to wait for asynchronous releases after the command ends")
-    lc.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    lc.add_argument("command", nargs=argparse.REMAINDER, metavar="CMD",
+                    help="the command to run, with its arguments, after --")
     lc.set_defaults(func=cmd_leak_check)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd is None:  # no command: the help, as pip gives it
+        _say(parser.format_help().rstrip("\n"))
+        return 0
     if getattr(args, "command", None) and args.command[0] == "--":
         args.command = args.command[1:]
     return args.func(args)
