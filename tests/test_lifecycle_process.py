@@ -125,6 +125,8 @@ def test_spawn_stops_hung_ranks_after_its_timeout(fn, args, hung, lc):
 def test_spawn_timeout_is_checked_and_does_not_hide_a_failure(lc):
     with pytest.raises(ValueError, match="timeout is a number of seconds"):
         smp.spawn(_rank_sleeps, ((),), nprocs=1, timeout=0)
+    with pytest.raises(ValueError, match="join=False"):
+        smp.spawn(_rank_sleeps, ((),), nprocs=1, join=False, timeout=1)
     smp.spawn(_rank_sleeps, ((),), nprocs=2, timeout=JOIN)  # done well before: returns
     with pytest.raises(smp.ProcessRaisedException, match="ZeroDivisionError"):
         smp.spawn(_rank_divides, (), nprocs=2, timeout=JOIN)

@@ -204,6 +204,9 @@ def start_processes(fn, args=(), nprocs: int = 1, join: bool = True, daemon: boo
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout is a number of seconds > 0, or None to wait forever; "
                          f"got {timeout!r}")
+    if timeout is not None and not join:
+        raise ValueError("timeout bounds the wait of join=True; with join=False, call the "
+                         "returned ProcessContext's join(timeout) yourself")
     ctx = get_context(start_method)
     processes, error_files = [], []
     main_thread = threading.current_thread() is threading.main_thread()
