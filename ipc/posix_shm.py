@@ -56,10 +56,10 @@ class ShmSpaceError(MemoryError):
 
     errno = errno.ENOSPC
 
-    def __init__(self, message: str, needed: int = 0, free: int = 0,
-                 named: bool = False) -> None:
+    def __init__(self, message: str, needed: int = 0, free: int = 0, named: bool = False,
+                 where: str = "") -> None:
         super().__init__(message)
-        self.needed, self.free, self.named = needed, free, named
+        self.needed, self.free, self.named, self.where = needed, free, named, where
 
 
 def process_tag() -> str:
@@ -111,7 +111,7 @@ def space_error(needed: int, named: bool, free: int, where: str,
         fix = "free memory, keep fewer shared arrays alive, or send smaller ones"
     return ShmSpaceError(f"no room for shared memory: {where} has {_mb(free)} free and {what}"
                          f" (idle shared memory of this process was given back first): {fix}",
-                         needed, free, named)
+                         needed, free, named, where)
 
 
 def fd_limit_error(err: OSError, what: str) -> OSError:

@@ -47,7 +47,7 @@ from itertools import islice
 
 import numpy as np
 
-from shmtensor.ipc import janitor, ofd_lease, posix_shm
+from shmtensor.ipc import janitor, ofd_lease, posix_shm, shm_space
 
 from . import _stats
 
@@ -205,10 +205,32 @@ _buckets: dict[tuple[str, int], "OrderedDict[str, Segment]"] = {}
 _own_idle_bytes = 0
 _next_trim = 0.0  # no trim pass before this (monotonic) unless forced or over budget
 
-# Slabs, per strategy: the size of the next new one, and the one being carved.
-_slab_size: dict[str, int] = {}
-_slabs: dict[str, int] = {FD: 0, FS: 0}  # own slab segments in existence (live or idle)
+# Slabs, per strategy: every own slab in existence (live or idle), and the one being carved.
+_slabs: dict[str, dict[str, Segment]] = {FD: {}, FS: {}}
 _current: dict[str, list] = {}  # kind -> [segment, anchor, next free offset]
+
+
+_budget = [0.0, IDLE_BYTES]  # [until (monotonic), bytes]: see _idle_budget
+_BUDGET_UNLIMITED_SECONDS = 5.0  # no memory cgroup limit: looked for again after this
+
+
+def _idle_budget() -> int:
+    """Idle bytes this process keeps (own idle segments, and the receive cache, each):
+    :data:`IDLE_BYTES`, less under a memory cgroup limit.  There idle memory is kept only
+    while the cgroup's usage stays under half its limit: idle segments are charged to it,
+    and at the limit its processes are OOM-killed, not told.  Re-read every
+    ``shm_space.FRESH_SECONDS`` (a few file reads): cheap on the per-message path."""
+    now = time.monotonic()
+    if now < _budget[0]:
+        return _budget[1]
+    room = shm_space.memory_room()
+    if room.limit is None:
+        _budget[:] = [now + _BUDGET_UNLIMITED_SECONDS, IDLE_BYTES]
+    else:
+        idle = _own_idle_bytes + _cache_bytes
+        budget = max(0, min(IDLE_BYTES, idle + room.free - room.limit // 2))
+        _budget[:] = [now + shm_space.FRESH_SECONDS, budget]
+    return _budget[1]
 
 
 def _cache_put(seg: Segment) -> None:
@@ -388,7 +410,10 @@ def _reuse(need: int, kind: str, table: ofd_lease.LeaseTable) -> Segment | None:
 def _mark_slab(seg: Segment, slab: bool) -> None:
     if seg.slab != slab:
         seg.slab = slab
-        _slabs[seg.kind] += 1 if slab else -1
+        if slab:
+            _slabs[seg.kind][seg.key] = seg
+        else:
+            _slabs[seg.kind].pop(seg.key, None)
 
 
 def _create_file(name: str, size: int, kind: str, slots: list[int],
@@ -402,6 +427,12 @@ def _create_file(name: str, size: int, kind: str, slots: list[int],
             janitor.track(name, slot, table.fds)
     try:
         try:
+            return create(name, size)
+        except posix_shm.ShmSpaceError:
+            if not give_back():  # nothing idle to give back: the error stands
+                raise
+            if kind == FS:
+                _await_unlinked_space(size)
             return create(name, size)
         except OSError as e:  # out of fds: again once kept descriptions are given up
             return ofd_lease.retry_after_shedding(e, create, name, size)
@@ -434,12 +465,9 @@ def _create(size: int, kind: str, table: ofd_lease.LeaseTable) -> Segment:
 
 def carve(nbytes: int, kind: str) -> tuple[np.ndarray, int]:
     """Room for ``nbytes`` (at most :data:`SLAB_ITEM_MAX`) in the current slab of ``kind``:
-    the slab's anchor and the offset, aligned to :data:`SLAB_ALIGN` bytes.
-
-    A full slab is let go (reused once every array in it is released everywhere).  The
-    next one is a recycled slab of the same size when one is free; when none is (arrays
-    of earlier slabs are still alive somewhere), a new slab twice as large, up to
-    :data:`SLAB_MAX`: the slab count grows with the logarithm of what is kept alive."""
+    the slab's anchor and the offset, aligned to :data:`SLAB_ALIGN` bytes.  A full slab is
+    let go (reused once every array in it is released everywhere); :func:`_next_slab`
+    picks the next."""
     with _lock:
         cur = _current.get(kind)
         if cur is not None:
@@ -451,18 +479,70 @@ def carve(nbytes: int, kind: str) -> tuple[np.ndarray, int]:
             del _current[kind]
             del cur  # the full slab's anchor now lives only as long as arrays in it
         _settle()  # a slab whose arrays all died may be reusable now
-        size = _slab_size.get(kind, SLAB_MIN)
-        table = ofd_lease.own_table()
-        seg = _reuse(size, kind, table)
-        if seg is None:
-            if _slabs[kind]:  # earlier slabs are still held: the next new one is larger
-                _slab_size[kind] = min(SLAB_MAX, 2 * size)
-            seg = _create(size, kind, table)
-        _mark_slab(seg, True)
+        seg = _next_slab(nbytes, kind)
         anchor = seg.anchor()
         _current[kind] = [seg, anchor, (nbytes + SLAB_ALIGN - 1) & -SLAB_ALIGN]
         _stats.bump("slabs_started")
         return anchor, 0
+
+
+def _slab_target(held: int) -> int:
+    """The size of a new slab while ``held`` bytes of slabs are held: the largest power of
+    two up to half of that, within [SLAB_MIN, SLAB_MAX].  Slabs grow only while earlier
+    ones stay held, so their count grows with the logarithm of what is kept, and what is
+    reserved stays within about twice what is held."""
+    size = SLAB_MIN
+    while size * 4 <= held and size < SLAB_MAX:
+        size *= 2
+    return size
+
+
+def _next_slab(nbytes: int, kind: str) -> Segment:
+    """The slab to carve from next (caller holds ``_lock``): a free one (every array in it
+    released everywhere) near the target size, else a new one of that size.  Free slabs
+    past one spare, or far larger than the target, are destroyed: after a burst of kept
+    arrays, a stream of dropped ones cycles through small slabs again."""
+    table = ofd_lease.own_table()
+    idle = _own_idle[kind]
+    held, free = 0, []
+    probes = 0
+    for seg in list(_slabs[kind].values()):
+        if seg.alive() or idle.get(seg.key) is not seg or probes >= _SCAN_LIMIT:
+            held += seg.size
+            continue
+        probes += 1
+        if table.is_held(seg.slot):
+            held += seg.size
+        else:
+            free.append(seg)
+    target = _slab_target(held)
+    # nearest the target first, the larger of two as near
+    free.sort(key=lambda seg: (abs(seg.size.bit_length() - target.bit_length()), -seg.size))
+    chosen = free.pop(0) if free and free[0].size <= 2 * target else None
+    spare = 0
+    for seg in free:
+        if seg.size <= 2 * target and spare + seg.size <= target:
+            spare += seg.size
+        else:
+            _destroy(seg)
+    if chosen is not None:
+        _own_idle_drop(chosen)
+        _stats.bump("segments_recycled")
+        return chosen
+    try:
+        seg = _create(target, kind, table)
+    except posix_shm.ShmSpaceError as e:
+        if target > SLAB_MIN:  # a smaller slab may still fit
+            try:
+                seg = _create(SLAB_MIN, kind, table)
+            except posix_shm.ShmSpaceError:
+                pass
+            else:
+                _mark_slab(seg, True)
+                return seg
+        raise posix_shm.space_error(nbytes, e.named, e.free, e.where, slab=SLAB_MIN) from None
+    _mark_slab(seg, True)
+    return seg
 
 
 def pin(seg: Segment) -> None:
@@ -483,10 +563,7 @@ def unpin(seg: Segment) -> None:
 
 def _destroy(seg: Segment) -> None:
     _own_idle_drop(seg)
-    if seg.slab:  # slabs are being let go: the next new one may be smaller again
-        _mark_slab(seg, False)
-        _slab_size[seg.kind] = max(SLAB_MIN, min(_slab_size.get(seg.kind, SLAB_MIN),
-                                                 seg.size) // 2)
+    _mark_slab(seg, False)
     shared = seg.file is not None
     seg.close()  # a segment of a shared file: the file goes with the last of them
     if seg.kind == FS and not shared:
@@ -546,7 +623,8 @@ def trim(force: bool = False) -> int:
         with _lock:
             _settle()
     now = time.monotonic()
-    if not force and now < _next_trim and _own_idle_bytes <= IDLE_BYTES:
+    budget = _idle_budget()
+    if not force and now < _next_trim and _own_idle_bytes <= budget:
         return 0
     freed = 0
     table = ofd_lease.own_table() if any(_own_idle.values()) else None
@@ -557,7 +635,7 @@ def trim(force: bool = False) -> int:
             oldest = list(idle.values()) if force else list(islice(idle.values(), _SCAN_LIMIT))
             for seg in oldest:
                 due = now - seg.idle_since > age
-                if not (force or due or _own_idle_bytes > IDLE_BYTES):
+                if not (force or due or _own_idle_bytes > budget):
                     next_due = min(next_due, seg.idle_since + age)
                     break  # oldest first: the rest are younger
                 if seg.alive() or idle.get(seg.key) is not seg:
@@ -626,6 +704,8 @@ def _attached(key: str, kind: str, size: int, table_id: str, slot: int,
     name, offset = file_of(key)
     if fd is None and kind == FD:
         raise ValueError(f"segment {key!r} came without its fd: a corrupt message")
+    if not _died.empty() or _cache_bytes > _idle_budget():
+        evict_idle()  # what died goes idle, and idle mappings past the budget go first
     mapfd = fd if kind == FD else posix_shm.open_named(name)
     try:
         posix_shm.check_extent(mapfd, offset, size, key)
@@ -672,11 +752,12 @@ def evict_idle(force: bool = False) -> int:
     Oldest first, and it stops at the first one within every limit."""
     now = time.monotonic()
     freed = 0
+    budget = min(CACHE_IDLE_BYTES, _idle_budget())
     with _lock:
         _settle()
         while _cache:
             seg = next(iter(_cache.values()))
-            if not (force or len(_cache) > CACHE_IDLE_COUNT or _cache_bytes > CACHE_IDLE_BYTES
+            if not (force or len(_cache) > CACHE_IDLE_COUNT or _cache_bytes > budget
                     or now - seg.idle_since > CACHE_IDLE_SECONDS):
                 break
             _cache_drop(seg)
@@ -690,24 +771,33 @@ def evict_idle(force: bool = False) -> int:
 
 # --- the sweeper, views for tools, fork ----------------------------------------------------
 
-_sweeper: threading.Thread | None = None
+_sweeper: tuple[threading.Thread, threading.Event] | None = None
 SWEEP_SECONDS = 1.0
+_sweep_error_logged = False
 
 
-def _sweep() -> None:
+def _sweep(stop: threading.Event) -> None:
     """Settle what died and apply the idle limits while the process is otherwise quiet;
-    stop when nothing is mapped (an anchor can only die while something is)."""
-    global _sweeper
-    while True:
-        time.sleep(SWEEP_SECONDS)
+    stop when nothing is mapped (an anchor can only die while something is), or when told
+    (before a fork).  An error in one pass is logged once and the next pass goes on."""
+    global _sweeper, _sweep_error_logged
+    while not stop.wait(SWEEP_SECONDS):
         try:
             trim()
             evict_idle()
-        except Exception:  # interpreter shutting down: nothing left to sweep for
-            return
+        except Exception:
+            if _AnchorRef.exiting:  # interpreter shutting down: nothing left to sweep for
+                return
+            if not _sweep_error_logged:
+                _sweep_error_logged = True
+                import logging
+                logging.getLogger("shmtensor").warning(
+                    "shmtensor: trimming idle shared memory failed (it is tried again every "
+                    "%s s; this is logged once per process)", SWEEP_SECONDS, exc_info=True)
         with _lock:
             if not _by_key and _died.empty():
-                _sweeper = None
+                if _sweeper is not None and _sweeper[1] is stop:
+                    _sweeper = None
                 return
 
 
@@ -716,8 +806,27 @@ def _ensure_sweeper() -> None:
     if _sweeper is None:
         with _lock:
             if _sweeper is None:
-                _sweeper = threading.Thread(target=_sweep, daemon=True, name="shmtensor-sweeper")
-                _sweeper.start()
+                stop = threading.Event()
+                t = threading.Thread(target=_sweep, args=(stop,), daemon=True,
+                                     name="shmtensor-sweeper")
+                _sweeper = (t, stop)
+                t.start()
+
+
+def _stop_sweeper_before_fork() -> None:
+    """No thread of ours runs across a fork: a child forked from a multi-threaded process
+    may deadlock, and Python >= 3.12 warns about every such fork.  The sweeper is woken,
+    joined, and started again after the fork (:func:`_after_fork_in_parent`)."""
+    global _sweeper
+    sweeper, _sweeper = _sweeper, None
+    if sweeper is not None:
+        sweeper[1].set()
+        sweeper[0].join(1.0)  # a pass takes milliseconds; never hang a fork on it
+
+
+def _after_fork_in_parent() -> None:
+    if _by_key:
+        _ensure_sweeper()
 
 
 def mapped() -> list[Segment]:
@@ -741,6 +850,27 @@ def empty_cache() -> int:
         _current.clear()
     del current  # slabs with no live array go idle here
     return trim(force=True) + evict_idle(force=True)
+
+
+def _await_unlinked_space(size: int, timeout: float = 1.0) -> None:
+    """Wait until /dev/shm has ``size`` bytes free, or ``timeout``: an unlinked segment's
+    space comes back only once every fd of it is closed, and the janitor closes its own
+    when it reads the untrack message, in its own time."""
+    deadline = time.monotonic() + timeout
+    while shm_space.shm_free(posix_shm.SHM_DIR) < size and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def give_back() -> bool:
+    """Before a reservation fails for want of room: let go of the current slabs and give
+    back every idle segment nobody holds, own or cached.  True when anything was freed."""
+    with _lock:
+        current = list(_current.values())
+        _current.clear()
+        del current  # slabs with no live array go idle here
+        freed = trim(force=True) + evict_idle(force=True)
+    shm_space.forget()
+    return freed > 0
 
 
 def _after_fork_in_child() -> None:
@@ -769,12 +899,15 @@ def _after_fork_in_child() -> None:
         idle.clear()
     _buckets.clear()
     _own_idle_bytes = 0
-    _slab_size.clear()
-    _slabs.update(dict.fromkeys(_slabs, 0))
+    for slabs in _slabs.values():
+        slabs.clear()
     _current.clear()  # the parent carves on: the child's arrays come from its own slabs
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+# Registered after the package's own hooks (this module is imported later), so the sweeper
+# is stopped before ofd_lease.before_fork takes the locks a pass may need.
+os.register_at_fork(before=_stop_sweeper_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
 
 
 @atexit.register
