@@ -4,13 +4,21 @@ Facts this module is built on:
 
 * NVML answers device counts and UUIDs without creating a CUDA context, so counting
   devices never initialises CUDA (a parent that forks workers stays fork-safe).  The
-  devices a process sees are NVML's, filtered and ordered by ``CUDA_VISIBLE_DEVICES``
-  (indices or ``GPU-``/``MIG-`` UUID prefixes; an invalid entry hides it and all after it).
+  devices a process sees are NVML's, filtered by ``CUDA_VISIBLE_DEVICES`` as CUDA reads it
+  (:func:`parse_visible_devices`, torch's reading, which matched driver 580 on every string
+  tried).  NVML cannot resolve ``MIG-`` entries to CUDA devices, and may be missing where
+  libcuda is not: then the driver itself is asked, in a child process (:func:`device_count`).
 * A forked child of a process that initialised CUDA cannot use CUDA.  The driver then fails
   with an opaque error; :func:`check_not_bad_fork` says what happened and what to do.
 * Legacy CUDA IPC hands out a handle for a whole ``cudaMalloc`` allocation; memory pools
   sub-allocate, so the handle is for the allocation's base, found with
   ``cuMemGetAddressRange``, plus the array's offset in it.
+* Driver calls act on the calling thread's current context, and a thread that has made no
+  CUDA call has none (``CUDA_ERROR_INVALID_CONTEXT``): a pool's task thread or a queue's
+  feeder thread pickling an array.  The runtime (CuPy's calls) makes its device's primary
+  context current on a thread's first call; ctypes calls here run inside :class:`Current`.
+  Asked for the IPC handle of another context's event, the driver (580) crashes the
+  process, and no call says which context an event is of (:func:`event_handle`).
 
 The driver entry points CuPy does not bind go through a small ctypes layer over libcuda
 and libnvidia-ml, checked call by call (``_check``): it needs no extra package.
@@ -23,7 +31,8 @@ import os
 import sys
 import threading
 
-__all__ = ["nvml_device_count", "nvml_uuids", "visible_uuids", "address_range", "buffer_id",
+__all__ = ["device_count", "parse_visible_devices", "uuids_to_ordinals", "nvml_device_count",
+           "nvml_uuids", "address_range", "buffer_id", "Current", "event_handle",
            "cuda_initialized", "bad_fork", "check_not_bad_fork", "check_can_initialize",
            "CudaIpcError", "BAD_FORK_MESSAGE"]
 
@@ -61,50 +70,150 @@ def _libnvml():
     return _nvml or None
 
 
-def nvml_uuids() -> list[str]:
-    """Every device's UUID (``GPU-...``) in NVML order; empty without a driver."""
+def nvml_uuids() -> list[str] | None:
+    """Every device's UUID (``GPU-...``) in NVML order; None when NVML cannot tell."""
     lib = _libnvml()
     if lib is None:
-        return []
+        return None
     count = ctypes.c_uint()
     if lib.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
-        return []
+        return None
     out = []
     for i in range(count.value):
         handle = ctypes.c_void_p()
         buf = ctypes.create_string_buffer(96)
         if (lib.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(handle)) != 0
                 or lib.nvmlDeviceGetUUID(handle, buf, 96) != 0):
-            return out
+            return None
         out.append(buf.value.decode())
     return out
 
 
-def visible_uuids(env: str | None = None) -> list[str]:
-    """The UUIDs of the devices this process can see, in CUDA's order."""
-    uuids = nvml_uuids()
-    spec = os.environ.get("CUDA_VISIBLE_DEVICES") if env is None else env
+def _leading_int(s: str) -> int:
+    """The integer ``s`` starts with (an optional sign, then digits, as ``strtol`` reads
+    it: ``1gpu2`` is 1, ``-0`` is 0), or -1 when it starts with none."""
+    i = 1 if s[:1] in ("+", "-") else 0
+    j = i
+    while j < len(s) and s[j] in "0123456789":
+        j += 1
+    return int(s[:j]) if j > i else -1
+
+
+def parse_visible_devices(spec: str | None) -> list[int] | list[str]:
+    """``CUDA_VISIBLE_DEVICES`` as CUDA reads it (torch's ``_parse_visible_devices``): unset,
+    the first 64 ordinals; starting with ``GPU-`` or ``MIG-``, the entries up to the first
+    without that prefix (not stripped); else ordinals, each entry stripped and read as its
+    leading integer, up to the first negative or unreadable one.  A repeated entry makes the
+    list empty (CUDA then sees no device)."""
     if spec is None:
-        return uuids
-    out: list[str] = []
-    for item in (s.strip() for s in spec.split(",")):
-        if not item:
+        return list(range(64))
+    if spec.startswith(("GPU-", "MIG-")):
+        prefix = spec[:4]
+        ids: list[str] = []
+        for item in spec.split(","):
+            if item in ids:
+                return []
+            if not item.startswith(prefix):
+                break
+            ids.append(item)
+        return ids
+    ordinals: list[int] = []
+    for item in spec.split(","):
+        n = _leading_int(item.strip())
+        if n in ordinals:
+            return []
+        if n < 0:
             break
-        if item.isdigit():
-            i = int(item)
-            if i >= len(uuids) or uuids[i] in out:
-                break
-            out.append(uuids[i])
-        else:
-            matches = [u for u in uuids if u.startswith(item) or u.startswith("GPU-" + item)]
-            if len(matches) != 1 or matches[0] in out:
-                break
-            out.append(matches[0])
+        ordinals.append(n)
+    return ordinals
+
+
+def uuids_to_ordinals(candidates: list[str], uuids: list[str]) -> list[int]:
+    """The NVML ordinals of UUID prefixes ``candidates`` (torch's
+    ``_transform_uuid_to_ordinals``): up to the first that matches no UUID or several; a
+    device named twice makes the list empty."""
+    out: list[int] = []
+    for candidate in candidates:
+        found = [i for i, uuid in enumerate(uuids) if uuid.startswith(candidate)]
+        if len(found) != 1:
+            break
+        if found[0] in out:
+            return []
+        out.append(found[0])
     return out
 
 
-def nvml_device_count() -> int:
-    return len(visible_uuids())
+def nvml_device_count(spec: str | None) -> int:
+    """The devices ``CUDA_VISIBLE_DEVICES=spec`` leaves visible, by NVML (torch's
+    ``_device_count_nvml``); -1 when NVML cannot tell: not loadable or failing, or ``MIG-``
+    entries (NVML's MIG UUIDs do not map to CUDA ordinals without CUDA)."""
+    visible = parse_visible_devices(spec)
+    if not visible:
+        return 0
+    if isinstance(visible[0], str):
+        if visible[0].startswith("MIG-"):
+            return -1
+        uuids = nvml_uuids()
+        return -1 if uuids is None else len(uuids_to_ordinals(visible, uuids))
+    uuids = nvml_uuids()
+    if uuids is None:
+        return -1
+    for i, ordinal in enumerate(visible):
+        if ordinal >= len(uuids):  # the first ordinal past the last device ends the list
+            return i
+    return len(visible)
+
+
+# Run in a child with CUDA_VISIBLE_DEVICES as here: the driver's own count, whatever the
+# variable says (MIG instances too), without initialising CUDA in this process.
+_COUNT_IN_CHILD = """import ctypes
+n = ctypes.c_int(0)
+try:
+    lib = ctypes.CDLL("libcuda.so.1")
+except OSError:
+    lib = None
+ok = lib is not None and lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(n)) == 0
+print(n.value if ok else 0)
+"""
+COUNT_TIMEOUT_S = 60.0
+_child_counts: dict[str | None, int] = {}  # CUDA_VISIBLE_DEVICES -> the driver's count
+
+
+def _count_in_child(spec: str | None) -> int:
+    """The driver's device count under ``CUDA_VISIBLE_DEVICES=spec``, asked once per
+    ``spec`` in a child process (``cuInit`` there, not here); 0 if the child fails."""
+    n = _child_counts.get(spec)
+    if n is None:
+        import subprocess
+        env = dict(os.environ)
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        if spec is not None:
+            env["CUDA_VISIBLE_DEVICES"] = spec
+        try:
+            out = subprocess.run([sys.executable, "-I", "-S", "-c", _COUNT_IN_CHILD], env=env,
+                                 capture_output=True, text=True, timeout=COUNT_TIMEOUT_S,
+                                 stdin=subprocess.DEVNULL)
+            n = int(out.stdout) if out.returncode == 0 else 0
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            n = 0
+        _child_counts[spec] = n
+    return n
+
+
+def device_count() -> int:
+    """The CUDA devices this process sees, without initialising CUDA here: once this
+    process initialised CUDA, the driver's count; else NVML's with ``CUDA_VISIBLE_DEVICES``
+    applied; where NVML cannot tell (missing, or ``MIG-`` entries), the driver's count in a
+    child process, asked once per value of the variable; 0 without libcuda."""
+    lib = _libcuda()
+    if lib is None:
+        return 0
+    count = ctypes.c_int()
+    if lib.cuDeviceGetCount(ctypes.byref(count)) == 0:  # initialised here: its own answer
+        return count.value
+    spec = os.environ.get("CUDA_VISIBLE_DEVICES")
+    n = nvml_device_count(spec)
+    return n if n >= 0 else _count_in_child(spec)
 
 
 def _libcuda():
@@ -162,32 +271,79 @@ def buffer_id(ptr: int) -> int:
 _contexts: dict[int, ctypes.c_void_p] = {}  # device ordinal -> its retained primary context
 
 
-class Current:
-    """Make ``device``'s primary context (the one CuPy and the runtime use; retained once
-    per process) current for the driver calls inside, on any thread."""
+def _primary(lib, device: int) -> ctypes.c_void_p:
+    """``device``'s primary context (the one CuPy and the runtime use), retained once."""
+    ctx = _contexts.get(device)
+    if ctx is None:
+        with _lock:
+            ctx = _contexts.get(device)
+            if ctx is None:
+                _check("cuInit", lib.cuInit(0))
+                dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+                _check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), device))
+                _check("cuDevicePrimaryCtxRetain",
+                       lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+                _contexts[device] = ctx
+    return ctx
 
-    __slots__ = ("device",)
+
+class Current:
+    """Make ``device``'s primary context current for the driver calls inside, on any
+    thread (one that never made a CUDA call has no context): pushed, and popped after,
+    unless it is current already, which costs one ``cuCtxGetCurrent``."""
+
+    __slots__ = ("device", "pushed")
 
     def __init__(self, device: int) -> None:
         self.device = device
+        self.pushed = False
 
     def __enter__(self):
         lib = _libcuda()
         if lib is None:
             raise CudaIpcError("libcuda.so.1 is not loadable: is the NVIDIA driver installed?")
-        ctx = _contexts.get(self.device)
-        if ctx is None:
-            _check("cuInit", lib.cuInit(0))
-            dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-            _check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), self.device))
-            _check("cuDevicePrimaryCtxRetain",
-                   lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
-            _contexts[self.device] = ctx
-        _check("cuCtxPushCurrent", lib.cuCtxPushCurrent_v2(ctx))
+        ctx = _primary(lib, self.device)
+        cur = ctypes.c_void_p()
+        if lib.cuCtxGetCurrent(ctypes.byref(cur)) != 0 or cur.value != ctx.value:
+            _check("cuCtxPushCurrent", lib.cuCtxPushCurrent_v2(ctx))
+            self.pushed = True
         return lib
 
     def __exit__(self, *exc) -> None:
-        _libcuda().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        if self.pushed:
+            self.pushed = False
+            _libcuda().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+
+def _active_devices(lib) -> list[int]:
+    """The devices whose primary context is active in this process (CUDA initialised)."""
+    count = ctypes.c_int()
+    _check("cuDeviceGetCount", lib.cuDeviceGetCount(ctypes.byref(count)))
+    out = []
+    for device in range(count.value):
+        flags, active = ctypes.c_uint(), ctypes.c_int()
+        if (lib.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active))
+                == 0 and active.value):
+            out.append(device)
+    return out
+
+
+def event_handle(event: int, current: int) -> bytes:
+    """The IPC handle of ``event`` (a CUevent of some device's primary context, as CuPy's
+    are), asked under that context.  No call names an event's context, and asked under
+    another the driver (580) crashes the process: where one device's primary context is
+    active, the event is of that device; where several are, it is taken to be of
+    ``current`` (the caller's current device), so such an event must be sent while its own
+    device is current."""
+    lib = _libcuda()
+    if lib is None:
+        raise CudaIpcError("libcuda.so.1 is not loadable: is the NVIDIA driver installed?")
+    active = _active_devices(lib)
+    device = active[0] if len(active) == 1 else current
+    buf = ctypes.create_string_buffer(64)  # CUipcEventHandle
+    with Current(device):
+        _check("cuIpcGetEventHandle", lib.cuIpcGetEventHandle(buf, ctypes.c_void_p(event)))
+    return buf.raw
 
 
 def close_mem_handle(device: int, ptr: int) -> None:

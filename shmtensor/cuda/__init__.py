@@ -7,8 +7,9 @@ is in force, live in CUDA VMM memory shared by file descriptor: their producer m
 while consumers still read, and small ones are sub-allocated from 2 MiB slabs.
 
 Nothing here initialises CUDA or imports CuPy until an array is actually sent or
-received: ``is_available()`` and ``device_count()`` ask NVML (respecting
-``CUDA_VISIBLE_DEVICES``).  Without CuPy, everything else in shmtensor works and the CUDA
+received: ``is_available()`` and ``device_count()`` ask NVML (reading
+``CUDA_VISIBLE_DEVICES`` as CUDA and torch do), or, where NVML cannot tell, the driver in
+a child process.  Without CuPy, everything else in shmtensor works and the CUDA
 entry points say how to install it.  Using CUDA through shmtensor in a forked child of a
 process that initialised CUDA raises the fork error, not an opaque driver error.
 """
@@ -71,8 +72,8 @@ _registry.register_stats(_stats)
 
 
 def device_count() -> int:
-    """GPUs this process can see, from NVML: never initialises CUDA."""
-    return cuda_ipc.nvml_device_count()
+    """GPUs this process can see: never initialises CUDA (see ``cuda_ipc.device_count``)."""
+    return cuda_ipc.device_count()
 
 
 def is_available() -> bool:
