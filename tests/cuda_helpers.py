@@ -316,3 +316,97 @@ def echo_to_host(queue, out, count):
         a = queue.get(timeout=60)
         out.put((cupy.asnumpy(a), a.shape, a.strides, a.flags.c_contiguous))
         del a
+
+
+# --- threads that never touched CUDA (test_cuda_threads.py) ---
+
+def has_current_context() -> bool:
+    """Whether the calling thread has a current CUDA context (a new thread has none)."""
+    import ctypes
+    ctx = ctypes.c_void_p()
+    ctypes.CDLL("libcuda.so.1").cuCtxGetCurrent(ctypes.byref(ctx))
+    return bool(ctx.value)
+
+
+def in_fresh_thread(fn, *args):
+    """``fn(*args)`` in a new thread, which must start with no CUDA context: its result, or
+    the exception it raised, raised here."""
+    import threading
+    box = {}
+
+    def run():
+        try:
+            assert not has_current_context(), "a new thread already had a CUDA context"
+            box["value"] = fn(*args)
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "the thread did not finish"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def describe(obj):
+    """Host values of what arrived: arrays as (device, sum), events as "event"."""
+    if isinstance(obj, (list, tuple)):
+        return [describe(o) for o in obj]
+    if type(obj).__name__ == "IpcEvent":
+        return "event"
+    return (obj.device.id, float(obj.sum()))
+
+
+def describe_each(source, out, count):
+    """Receive ``count`` messages from a queue or a connection; report what arrived."""
+    get = getattr(source, "get", None) or source.recv
+    for _ in range(count):
+        out.put(describe(get()))
+
+
+def total(a):
+    return float(a.sum())
+
+
+def doubled(a):
+    return a * 2
+
+
+def send_then_wait(queue, conn, event, kind):
+    """Send arrays alone and in a list by a queue and a connection; keep them until told."""
+    use(kind)
+    a = cp().arange(10, dtype=np.float64)
+    for channel in (queue.put, conn.send):
+        channel(a)
+        channel([a, a[2:]])
+    event.wait(60)
+
+
+def event_on_device1_sent_while_device0_is_current(in_thread):
+    """Make an interprocess event on GPU 1, send it while GPU 0 is current (or from a new
+    thread), record it after a slow kernel; the receiver (GPU 0) waits for that kernel."""
+    import shmtensor.multiprocessing as smp
+    ctx = smp.get_context("spawn")
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=event_importer, args=(q, out))
+    p.start()
+    with cp().cuda.Device(1):
+        e1 = cp().cuda.Event(interprocess=True, disable_timing=True)
+        spin = cp().zeros(1, dtype=np.float32)
+    if in_thread:
+        in_fresh_thread(q.put, e1)
+    else:
+        with cp().cuda.Device(0):
+            q.put(e1)
+    assert out.get(timeout=60) == "ready"
+    with cp().cuda.Device(1):
+        slow_fill(spin, 1.0, 100_000_000)
+        e1.record()
+    q.put("recorded")
+    assert out.get(timeout=60) is True  # GPU 0's process waited for GPU 1's kernel
+    with cp().cuda.Device(1):
+        assert float(spin[0]) == 1.0
+    p.join(60)
+    assert p.exitcode == 0

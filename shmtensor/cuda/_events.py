@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
+from shmtensor.ipc import cuda_ipc
+
 from .. import _wire
 from . import _device
 
@@ -144,16 +146,18 @@ class IpcEvent:
 
 
 def reduce_event(ev):
-    """An interprocess event's handle.  Send an event while its own device is current: a
-    CuPy event does not say which device it belongs to, and the driver (580) crashes the
-    process when asked for the handle of another device's event."""
+    """An interprocess event's handle, asked under its device's context on any thread
+    (:func:`cuda_ipc.event_handle`).  Where this process uses several GPUs, send an event
+    while its own device is current: a CuPy event does not say which device it belongs to,
+    and the driver (580) crashes the process when asked for the handle of another device's
+    event."""
     cp = _device.cupy()
     try:
-        handle = cp.cuda.runtime.ipcGetEventHandle(ev.ptr)
-    except Exception as e:
+        handle = cuda_ipc.event_handle(ev.ptr, cp.cuda.runtime.getDevice())
+    except cuda_ipc.CudaIpcError as e:
         raise ValueError("only events made with cupy.cuda.Event(interprocess=True, "
-                         "disable_timing=True) can cross processes") from e
-    return _rebuild_event, (bytes(handle),)
+                         f"disable_timing=True) can cross processes ({e})") from e
+    return _rebuild_event, (handle,)
 
 
 def _rebuild_event(handle: bytes) -> IpcEvent:

@@ -308,14 +308,16 @@ def _export(cp, arr, device: int) -> tuple[_Lease, _Token]:
                 lease = x.lease(ex, key, mem)
         token = _attach(lease) if lease is not None else None
     if lease is None:
-        # driver calls, outside the lock: an allocation sent before and still the same (a
+        # driver calls, outside the lock and under the device's context (this thread may
+        # never have made a CUDA call): an allocation sent before and still the same (a
         # freed and remade one has a new buffer id) keeps its handle, else a new export
-        base, size = cuda_ipc.address_range(key[1])
-        with x.lock:
-            ex = x.retired.pop((device, base), None)
-        fresh = ex is None or ex.size != size or cuda_ipc.buffer_id(base) != ex.buffer
-        if fresh:
-            ex = _Export(cp, device, base, size)
+        with cuda_ipc.Current(device):
+            base, size = cuda_ipc.address_range(key[1])
+            with x.lock:
+                ex = x.retired.pop((device, base), None)
+            fresh = ex is None or ex.size != size or cuda_ipc.buffer_id(base) != ex.buffer
+            if fresh:
+                ex = _Export(cp, device, base, size)
         with x.lock:
             found = x.find(device, key[1])
             if found is None:

@@ -81,7 +81,7 @@ def export(arr):
     if isinstance(owner, _Use):  # a received array sent on: its exporter's handle and slot
         return _forward(ray, cp, arr, owner)
     device = arr.device.id
-    with cp.cuda.Device(device):
+    with cp.cuda.Device(device), cuda_ipc.Current(device):  # any thread: see Current
         base, size = cuda_ipc.address_range(arr.data.ptr)
         handle = bytes(cp.cuda.runtime.ipcGetMemHandle(base))
         bus_id = cp.cuda.runtime.deviceGetPCIBusId(device)

@@ -1,0 +1,171 @@
+"""CUDA arrays and events sent and received by threads that never touched CUDA (a pool's
+task thread, an executor's queue thread, a user's thread), and events sent while another
+GPU is current.  Needs CuPy and a GPU (two for the last tests): skipped elsewhere."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import shmtensor.cuda
+import shmtensor.futures
+import shmtensor.multiprocessing as smp
+
+import cuda_helpers as ch
+from conftest import JOIN, join_all
+
+pytestmark = [pytest.mark.requires_cuda,
+              pytest.mark.skipif(not shmtensor.cuda.is_available(),
+                                 reason="needs CuPy and a visible CUDA device")]
+two_gpus = pytest.mark.skipif(shmtensor.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+@pytest.fixture
+def cp():
+    import cupy
+    cupy.zeros(1)  # CUDA initialised in the main thread, as in the programs that failed
+    return cupy
+
+
+@pytest.fixture
+def ctx():
+    return smp.get_context("spawn")
+
+
+@pytest.fixture(params=["ipc", "vmm"])
+def kind(request, cp):
+    """Where this process's CuPy arrays live: CuPy's pool (legacy CUDA IPC) or shared VMM."""
+    if request.param == "vmm":
+        shmtensor.cuda.set_allocator()
+    yield request.param
+    cp.cuda.set_allocator(cp.get_default_memory_pool().malloc)
+
+
+@pytest.mark.parametrize("channel", ["queue", "pipe"])
+def test_arrays_and_events_sent_from_a_thread_that_never_touched_cuda(cp, kind, ctx, lc,
+                                                                      channel):
+    a = cp.arange(10, dtype=cp.float64)
+    ev = cp.cuda.Event(interprocess=True, disable_timing=True)
+    out = ctx.Queue()
+    if channel == "queue":
+        source = sink = ctx.Queue()
+        send = sink.put
+    else:
+        source, sink = ctx.Pipe(duplex=False)
+        send = sink.send
+    p = ctx.Process(target=ch.describe_each, args=(source, out, 3))
+    p.start()
+    try:
+        ch.in_fresh_thread(send, a)  # alone: its kind's lane
+        ch.in_fresh_thread(send, [a, a[2:], ev])  # in a container: the general path
+        ch.in_fresh_thread(send, cp.arange(4, dtype=cp.float32))  # a new allocation
+        assert out.get(timeout=JOIN) == (0, 45.0)
+        assert out.get(timeout=JOIN) == [(0, 45.0), (0, 44.0), "event"]
+        assert out.get(timeout=JOIN) == (0, 6.0)
+    except BaseException:
+        p.kill()  # it waits for messages that will not come
+        raise
+    finally:
+        join_all(p)
+    assert p.exitcode == 0
+    del a, ev
+    shmtensor.cuda.ipc_collect()
+
+
+def test_arrays_received_in_a_thread_that_never_touched_cuda(cp, kind, ctx, lc):
+    q, e = ctx.Queue(), ctx.Event()
+    r, w = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=ch.send_then_wait, args=(q, w, e, kind))
+    p.start()
+    try:
+        for get in (lambda: q.get(timeout=JOIN), r.recv):
+            assert ch.in_fresh_thread(lambda: ch.describe(get())) == (0, 45.0)
+            assert ch.in_fresh_thread(lambda: ch.describe(get())) == [(0, 45.0), (0, 44.0)]
+    finally:
+        e.set()
+        join_all(p)
+    assert p.exitcode == 0
+    shmtensor.cuda.ipc_collect()
+
+
+def test_pool_map_over_cupy_arrays(cp, kind, ctx, lc):
+    """The pool's task thread pickles the arrays: it never made a CUDA call."""
+    arrays = [cp.full((100,), i, dtype=cp.float32) for i in range(8)]
+    with ctx.Pool(2) as pool:
+        assert pool.map(ch.total, arrays, chunksize=1) == [100.0 * i for i in range(8)]
+        assert pool.map(ch.total, arrays, chunksize=3) == [100.0 * i for i in range(8)]
+    pool.join()
+    del arrays
+    shmtensor.cuda.ipc_collect()
+
+
+def test_process_pool_executor_with_cupy_arguments_and_results(cp, kind, ctx, lc):
+    """Calls are queued by the executor's manager thread and results received there: neither
+    ever made a CUDA call."""
+    arrays = [cp.arange(50, dtype=cp.float64) + i for i in range(6)]
+    with shmtensor.futures.ProcessPoolExecutor(2, mp_context=ctx, initializer=ch.use,
+                                               initargs=(kind,)) as ex:
+        futures = [ex.submit(ch.doubled, a) for a in arrays]
+        results = [f.result(timeout=JOIN) for f in futures]
+        for a, b in zip(arrays, results):
+            assert isinstance(b, cp.ndarray) and bool((b == 2 * a).all())
+        del results, futures, b  # before the workers, which made them, go
+        shmtensor.cuda.ipc_collect()
+    del arrays
+    shmtensor.cuda.ipc_collect()
+
+
+_CHILD = ("import sys; sys.path[:0] = {paths!r}\n"
+          "import cuda_helpers as ch\n"
+          "ch.event_on_device1_sent_while_device0_is_current({in_thread})\n"
+          "print('ok')\n")
+
+
+OPEN_14D = pytest.mark.xfail(strict=True, reason=(
+    "issue 26 item 14(d), open: with both GPUs' contexts active, the event's device cannot "
+    "be told (no driver call names an event's context; probing by a record hung), so the "
+    "current device's is used and the driver crashes"))
+
+
+@two_gpus
+@pytest.mark.parametrize("in_thread", [pytest.param(False, marks=OPEN_14D), True],
+                         ids=["device0-current", "new-thread"])
+def test_event_of_one_gpu_sent_while_another_is_current(in_thread):
+    """Asked for the handle of another device's event, the driver crashes the process: run
+    in a child, so that a crash is a failure here.  From a new thread, only GPU 1's context
+    is active in that process: the event is of it."""
+    import os
+    paths = [os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))]
+    out = subprocess.run([sys.executable, "-c", _CHILD.format(paths=paths, in_thread=in_thread)],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and out.stdout.split()[-1:] == ["ok"], (out.returncode,
+                                                                        out.stderr[-2000:])
+
+
+def test_current_context_costs_one_call_when_current(cp):
+    """The mechanism behind every driver call on an array's behalf: pushed only where the
+    thread has no (or another) context, and popped after; a no-op where current."""
+    from shmtensor.ipc import cuda_ipc
+    assert ch.has_current_context()
+    with cuda_ipc.Current(0) as lib:
+        assert lib is not None
+    c = cuda_ipc.Current(0)
+    with c:
+        assert not c.pushed  # the main thread's context is device 0's primary one
+
+    def fresh():
+        c = cuda_ipc.Current(0)
+        with c:
+            inside = ch.has_current_context(), c.pushed
+        return inside, ch.has_current_context()
+
+    assert ch.in_fresh_thread(fresh) == ((True, True), False)
+    a = cp.arange(3)
+    here = cuda_ipc.address_range(a.data.ptr)
+    assert ch.in_fresh_thread(lambda: _range_under_current(cuda_ipc, a)) == here
+
+
+def _range_under_current(cuda_ipc, a):
+    with cuda_ipc.Current(a.device.id):
+        return cuda_ipc.address_range(a.data.ptr)
