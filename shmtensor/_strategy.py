@@ -1,11 +1,14 @@
 """Sharing strategies, the inline threshold and the receive spin: process-wide settings with
 set/get verbs.
 
-All start from the environment, read when shmtensor is imported.  A bad value is reported
-by every call that needs a setting (making a channel or an array, sending one, a getter)
-with an error naming the variable and what it accepts, until the program sets that
-setting itself; importing shmtensor, its CLI and its pytest plugin still work, so a typo
-in one variable does not break unrelated test runs or ``shmtensor ls``:
+All start from the environment, read when shmtensor is imported.  One rule for a bad value:
+only the calls that use that setting fail, with an error naming the variable and what it
+accepts, until the program sets that setting itself.  Importing shmtensor, its CLI and its
+pytest plugin still work, and so does every call that does not use the setting: a bad
+receive spin fails the making of a channel's reader (and ``get_receive_spin()``), never
+``shmtensor.zeros()``; a bad strategy fails making a shared array, not a small inline
+send.  A spawned child takes its parent's good settings; a bad one it reads from the
+environment it inherits, with the same rule:
 
 * ``SHMTENSOR_SHARING_STRATEGY``: ``file_descriptor`` or ``file_system``.
 * ``SHMTENSOR_INLINE_THRESHOLD``: bytes, as digits with an optional binary suffix,
@@ -140,10 +143,19 @@ _inline_threshold = _from_env("threshold", _threshold_from_env, DEFAULT_INLINE_T
 _receive_spin_us = _from_env("spin", _spin_from_env, DEFAULT_RECEIVE_SPIN_US)
 
 
-def _raise_env_error() -> None:
-    """Raise what is wrong with the first bad variable the program has not overridden."""
-    for e in _env_errors.values():
-        raise ValueError(*e.args)
+def _raise_env_error(name: str) -> None:
+    """Raise what is wrong with the variable of setting ``name`` (a fresh copy of the kept
+    error, so tracebacks do not pile up on one object)."""
+    raise ValueError(*_env_errors[name].args)
+
+
+def parent_settings() -> tuple[str | None, int | None, int | None]:
+    """The strategy, threshold and spin a spawned child takes from this process; None
+    for a setting whose variable is bad and not overridden (the child, which inherits the
+    environment, reads it and fails where it uses it, as this process does)."""
+    return (None if "strategy" in _env_errors else _strategy,
+            None if "threshold" in _env_errors else _inline_threshold,
+            None if "spin" in _env_errors else _receive_spin_us)
 
 
 def get_all_sharing_strategies() -> set[str]:
@@ -152,8 +164,8 @@ def get_all_sharing_strategies() -> set[str]:
 
 
 def get_sharing_strategy() -> str:
-    if _env_errors:
-        _raise_env_error()
+    if "strategy" in _env_errors:
+        _raise_env_error("strategy")
     return _strategy
 
 
@@ -179,8 +191,8 @@ def _whole(value, what: str, unit: str, fix: str) -> int:
 
 
 def get_inline_threshold() -> int:
-    if _env_errors:
-        _raise_env_error()
+    if "threshold" in _env_errors:
+        _raise_env_error("threshold")
     return _inline_threshold
 
 
@@ -197,8 +209,8 @@ def set_inline_threshold(nbytes: int) -> None:
 
 def get_receive_spin() -> int:
     """Microseconds a reader polls its channel before it sleeps (0: never)."""
-    if _env_errors:
-        _raise_env_error()
+    if "spin" in _env_errors:
+        _raise_env_error("spin")
     return _receive_spin_us
 
 
@@ -216,6 +228,6 @@ def set_receive_spin(microseconds: int) -> None:
 
 def receive_wait() -> SpinWait | None:
     """A new reader's way of waiting under the current setting (None: it sleeps at once)."""
-    if _env_errors:
-        _raise_env_error()
+    if "spin" in _env_errors:
+        _raise_env_error("spin")
     return SpinWait(_receive_spin_us * 1e-6) if _receive_spin_us else None

@@ -34,11 +34,15 @@ def _forget_new_fds(popen):
     return forget
 
 
-def _apply_settings(strategy: str, threshold: int, spin: int) -> None:
-    """In a spawned child, as its Process is unpickled: the parent's settings."""
-    _strategy.set_sharing_strategy(strategy)
-    _strategy.set_inline_threshold(threshold)
-    _strategy.set_receive_spin(spin)
+def _apply_settings(strategy: str | None, threshold: int | None, spin: int | None) -> None:
+    """In a spawned child, as its Process is unpickled: the parent's settings (None: the
+    parent's variable was bad, and the child keeps what it read from its own)."""
+    if strategy is not None:
+        _strategy.set_sharing_strategy(strategy)
+    if threshold is not None:
+        _strategy.set_inline_threshold(threshold)
+    if spin is not None:
+        _strategy.set_receive_spin(spin)
 
 
 class _ParentSettings:
@@ -49,8 +53,7 @@ class _ParentSettings:
     __slots__ = ()
 
     def __reduce__(self):
-        return _apply_settings, (_strategy.get_sharing_strategy(),
-                                 _strategy.get_inline_threshold(), _strategy.get_receive_spin())
+        return _apply_settings, _strategy.parent_settings()
 
 
 def _rebuild_process(settings, data: bytes, dupfds: list, index: list[int]):
