@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import importlib as _importlib
 import os as _os
+from typing import Any
 
 from shmtensor.ipc import janitor as _janitor
 from shmtensor.ipc import ofd_lease as _ofd_lease
 from shmtensor.ipc.posix_shm import ShmSpaceError
 
-from . import _registry, _stats
+from . import _log, _registry, _stats, _strategy
 from . import cuda as _cuda  # noqa: F401 (registers CuPy's reducers, for when CuPy is imported)
 from . import _torch  # noqa: F401 (registers torch's reducers, for when torch is imported)
 from ._strategy import (get_all_sharing_strategies, get_inline_threshold, get_receive_spin,
@@ -57,25 +58,51 @@ def empty_cache() -> int:
     return freed
 
 
-def debug_info() -> dict[str, int]:
-    """Counters for this process: segments made, attached, recycled, bytes, live and idle,
-    and CUDA exports and mappings (zeros until CUDA is used)."""
-    from . import _segments
-    info = _stats.snapshot()
+def debug_info() -> dict[str, Any]:
+    """This process's counters and settings, one dict per subsystem.
+
+    * ``segments``: own segments made (``created``, ``bytes_created``), ``recycled``,
+      ``destroyed``, ``slabs_started``; other processes' ``attached``, ``bytes_attached``,
+      ``evicted``; live and idle ones now (``own_live``, ``own_idle``, ``attached_live``,
+      ``attached_idle``) and ``bytes_mapped``.
+    * ``arrays``: sent as a handle (``sent_shared``), copied into a segment to be sent
+      (``sent_copied``), pickled into the message (``sent_inline``), ``received``.
+    * ``leases``: lease ``tables`` this process has open.
+    * ``cuda`` (and ``torch`` once torch is imported): the adapters' counters (zeros until
+      CUDA is used).
+    * ``settings``: ``sharing_strategy``, ``inline_threshold``, ``receive_spin_us`` (a bad
+      environment variable shows as its error, as a string).
+    * ``fallbacks``: the kinds of fallback this process has reported to the ``shmtensor``
+      logger (an array pickled by value or copied, a function sent with cloudpickle).
+
+    The flat names ``info["segments_created"]``, ``info["cuda_opened"]`` and so on read
+    the same numbers.  Never raises.
+
+    Example::
+
+        >>> import shmtensor
+        >>> a = shmtensor.zeros(1000)
+        >>> shmtensor.debug_info()["segments"]["own_live"] >= 1
+        True
+    """
+    from . import _log, _segments
     segs = _segments.mapped()
     own = [s for s in segs if s.own]
-    info["segments_own_live"] = sum(1 for s in own if s.alive())
-    info["segments_own_idle"] = len(_segments.idle_segments())
-    info["segments_attached_live"] = sum(1 for s in segs if not s.own and s.alive())
-    info["segments_attached_idle"] = sum(1 for s in segs if not s.own and not s.alive())
-    info["bytes_mapped"] = sum(s.size for s in segs)
-    info["lease_tables"] = _ofd_lease.table_count()
-    info.update(_registry.stats())  # adapters' counters (CUDA's)
-    return info
+    flat = _stats.snapshot()
+    flat["segments_own_live"] = sum(1 for s in own if s.alive())
+    flat["segments_own_idle"] = len(_segments.idle_segments())
+    flat["segments_attached_live"] = sum(1 for s in segs if not s.own and s.alive())
+    flat["segments_attached_idle"] = sum(1 for s in segs if not s.own and not s.alive())
+    flat["bytes_mapped"] = sum(s.size for s in segs)
+    flat["lease_tables"] = _ofd_lease.table_count()
+    flat.update(_registry.stats())  # adapters' counters: cuda_*, torch_*
+    return _stats.grouped(flat, {"settings": _strategy.describe(),
+                                 "fallbacks": _log.reported()})
 
 
 def _after_fork_in_child() -> None:
     _stats.after_fork_in_child()
+    _log.after_fork_in_child()
     _ofd_lease.after_fork_in_child()
     _janitor.after_fork_in_child()
 

@@ -15,9 +15,9 @@ import time
 
 import numpy as np
 
-from shmtensor.ipc import ofd_lease
+from shmtensor.ipc import ofd_lease, procfs
 
-from . import _segments, _strategy
+from . import _log, _segments, _strategy
 
 __all__ = ["BatchPool"]
 
@@ -44,6 +44,7 @@ class BatchPool:
         self._segments = _segments.acquire_many(nbytes, kind, slots)
         self._next = 0
         self._pid = os.getpid()
+        self._warned = False  # acquire() warned that it waits
 
     @property
     def slots(self) -> int:
@@ -68,21 +69,62 @@ class BatchPool:
                 return np.ndarray(self.shape, self.dtype, buffer=seg.anchor(), order=self.order)
         return None
 
-    def acquire(self, timeout: float | None = None) -> np.ndarray:
-        """A free slot, waiting (polling its lease, 0.1 ms to 5 ms apart) while all are out."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def acquire(self, timeout: float | None = None, *,
+                warn_after: float | None = 5.0) -> np.ndarray:
+        """A free slot as an array, waiting while every slot is out.
+
+        ``timeout``: seconds to wait (None, the default: forever); :class:`TimeoutError`
+        when they pass.  ``warn_after``: seconds of waiting after which the ``shmtensor``
+        logger warns, once per pool, how many slots this process's views hold, how many
+        other processes hold, and which processes map the pool (None: never).  Polls the
+        slots' leases 0.1 ms to 5 ms apart.  Raises :class:`ValueError` on a closed pool and
+        :class:`RuntimeError` in a process other than the one that made the pool."""
+        a = self.try_acquire()
+        if a is not None:
+            return a
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        warn_at = None if warn_after is None or self._warned else start + warn_after
         delay = 1e-4
         while True:
+            time.sleep(delay)
+            delay = min(delay * 2, 5e-3)
             a = self.try_acquire()
             if a is not None:
                 return a
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
                 raise TimeoutError(
-                    f"all {self.slots} slots of this BatchPool are still held after {timeout}s: "
-                    "the consumer keeps references to old batches (drop them), or give the "
-                    "pool more slots")
-            time.sleep(delay)
-            delay = min(delay * 2, 5e-3)
+                    f"all {self.slots} slots of this BatchPool are still held after {timeout}s "
+                    f"({self._holders()}): the consumer keeps references to old batches (drop "
+                    "them), or give the pool more slots")
+            if warn_at is not None and now >= warn_at:
+                warn_at, self._warned = None, True
+                _log.warning(
+                    "shmtensor: BatchPool.acquire() has waited %.1fs for a free slot: all %d "
+                    "slots are out (%s). A slot is free once every view of its batch is gone: "
+                    "the consumer keeps old batches (drop them, or copy what it keeps), or give "
+                    "the pool more slots. acquire() goes on waiting; this is said once per "
+                    "pool.", now - start, self.slots, self._holders())
+
+    def _holders(self) -> str:
+        """Who holds the slots, for a message: this process's views, other processes' holds,
+        and the processes that map the pool (a mapping may outlive a hold: a receiver keeps
+        idle segments mapped for reuse)."""
+        table = ofd_lease.own_table()
+        here = sum(1 for seg in self._segments if seg.alive())
+        elsewhere = sum(1 for seg in self._segments
+                        if not seg.alive() and table.is_held(seg.slot))
+        name = _segments.file_of(self._segments[0].key)[0] if self._segments else None
+        try:
+            use = procfs.scan().get(name) if name is not None else None
+        except OSError:
+            use = None
+        pids = sorted((use.mapped_by | use.fd_held_by) - {os.getpid()}) if use else []
+        mapped = (f"processes mapping it: {', '.join(map(str, pids))}" if pids
+                  else "no other process maps it")
+        return (f"{here} held by views in this process (pid {os.getpid()}), {elsewhere} "
+                f"by other processes; {mapped}")
 
     def close(self) -> None:
         """Give the slots back for reuse as ordinary segments (views still alive stay valid)."""

@@ -24,9 +24,9 @@ import pickle
 
 import numpy as np
 
-from shmtensor.ipc import scm_rights
+from shmtensor.ipc import ofd_lease, scm_rights
 
-from . import _registry, _segments, _stats, _strategy, _wire
+from . import _log, _registry, _segments, _stats, _strategy, _wire
 from ._reductions import NUMPY_LANE
 from ._segments import FD, Segment
 from ._wire import (LaneContext, attach_fd, inflight_index, keep_alive, received_fd,
@@ -43,11 +43,22 @@ def _ptr(a: np.ndarray) -> int:
 
 def _reduce_ndarray(a: np.ndarray):
     if a.dtype.hasobject:
+        _log.once("numpy-object", _log.INFO,
+                  "shmtensor: an array of dtype %s was pickled by value (numpy's own "
+                  "reduction): Python objects cannot live in shared memory. Use a numeric or "
+                  "structured dtype to share it. (Reported once per process.)", a.dtype)
         return a.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
     seg = _segments.segment_of(a)
-    if seg is not None and (seg.kind != FD or seg.fd is not None):
-        _stats.bump("arrays_sent_shared")
-        return _reduce_on(a, seg, not a.flags.writeable)
+    if seg is not None:
+        if seg.kind != FD or seg.fd is not None:
+            _stats.bump("arrays_sent_shared")
+            return _reduce_on(a, seg, not a.flags.writeable)
+        _log.once("numpy-reshare-copied", _log.INFO,
+                  "shmtensor: a received shared array was sent on by copy, not as a handle: "
+                  "this process did not keep the segment's memfd (it keeps at most %d "
+                  "received ones, an eighth of its fd limit up to 256). Raise `ulimit -n`, or "
+                  "use the file_system strategy, to forward more without copies. (Reported "
+                  "once per process.)", ofd_lease.kept_budget())
     base = a.base
     if isinstance(base, np.ndarray) and seg is None:
         root = base
@@ -83,6 +94,11 @@ def _reduce_root(a: np.ndarray):
     dst = np.ndarray(a.shape, a.dtype, buffer=anchor, offset=offset, order=order)
     np.copyto(dst, a, casting="no")
     _stats.bump("arrays_sent_copied")
+    _log.once("numpy-copied", _log.DEBUG,
+              "shmtensor: a plain array of %d bytes was copied into shared memory to be sent "
+              "(arrays of the inline threshold or more that are not shared already are "
+              "copied once). Make it with shmtensor.empty/zeros, or a BatchPool, to send it "
+              "without a copy. (Reported once per process.)", a.nbytes)
     return _reduce_on(dst, _segments.segment_of(anchor), not a.flags.writeable, True)
 
 

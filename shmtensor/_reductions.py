@@ -24,7 +24,7 @@ from multiprocessing.reduction import ForkingPickler
 
 from shmtensor.ipc import scm_rights
 
-from . import _registry, _wire
+from . import _log, _registry, _wire
 from ._wire import RecvContext, SendContext
 
 # A message that is one shared numpy array goes without a pickler (``_numpy.lane_dumps``):
@@ -219,7 +219,7 @@ def _dump_by_value(obj, undo, first: BaseException | None) -> tuple[bytes, SendC
     if undo is not None:
         undo()
     try:
-        return _dump(_cloud_pickler(), obj)
+        out = _dump(_cloud_pickler(), obj)
     except Exception as e:
         if first is None:
             raise
@@ -227,6 +227,13 @@ def _dump_by_value(obj, undo, first: BaseException | None) -> tuple[bytes, SendC
             first.add_note(f"(shmtensor also tried to pickle it by value, with cloudpickle: "
                            f"{type(e).__name__}: {e})")
         raise first from None
+    _log.once("cloudpickle", _log.INFO,
+              "shmtensor: a message was pickled by value with cloudpickle (%s). Functions "
+              "and classes that can be imported by name (module-level, in a main file) go by "
+              "name, as the stdlib sends them, and faster. (Reported once per process.)",
+              "its main module has no file, which a spawned child could not import"
+              if first is None else f"{type(first).__name__}: {first}")
+    return out
 
 
 _RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOLCK)

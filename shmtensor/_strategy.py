@@ -149,6 +149,17 @@ def _raise_env_error(name: str) -> None:
     raise ValueError(*_env_errors[name].args)
 
 
+def describe() -> dict[str, object]:
+    """The settings for :func:`shmtensor.debug_info`: each value, or its variable's error."""
+    out: dict[str, object] = {}
+    for key, name, value in (("strategy", "sharing_strategy", _strategy),
+                             ("threshold", "inline_threshold", _inline_threshold),
+                             ("spin", "receive_spin_us", _receive_spin_us)):
+        error = _env_errors.get(key)
+        out[name] = value if error is None else f"invalid: {error}"
+    return out
+
+
 def parent_settings() -> tuple[str | None, int | None, int | None]:
     """The strategy, threshold and spin a spawned child takes from this process; None
     for a setting whose variable is bad and not overridden (the child, which inherits the

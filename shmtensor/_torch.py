@@ -112,6 +112,12 @@ def _storage_out(storage):
     _wire.keep_alive(anchor)  # until sent: nobody else may reuse the segment before then
     anchor[offset:offset + nbytes] = src
     _bump("torch_storages_copied")
+    from . import _log
+    _log.once("torch-copied", _log.DEBUG,
+              "shmtensor: a torch storage of %d bytes that is not in shared memory was copied "
+              "into a segment to be sent. share_memory_() on the tensor, or a "
+              "shmtensor-backed tensor (torch.from_numpy(shmtensor.empty(...))), sends it "
+              "without a copy. (Reported once per process.)", nbytes)
     return _rebuild_storage, (_segments.segment_of(anchor), offset, nbytes)
 
 
