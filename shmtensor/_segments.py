@@ -819,9 +819,17 @@ def _stop_sweeper_before_fork() -> None:
     joined, and started again after the fork (:func:`_after_fork_in_parent`)."""
     global _sweeper
     sweeper, _sweeper = _sweeper, None
-    if sweeper is not None:
-        sweeper[1].set()
-        sweeper[0].join(1.0)  # a pass takes milliseconds; never hang a fork on it
+    if sweeper is None:
+        return
+    thread, stop = sweeper
+    stop.set()
+    thread.join(1.0)  # a pass takes milliseconds; never hang a fork on it
+    # join returns when the thread's Python state is gone; the kernel's thread (which is
+    # what Python counts before warning) ends a moment later
+    task = f"/proc/self/task/{thread.native_id}"
+    deadline = time.monotonic() + 0.1
+    while not thread.is_alive() and os.path.exists(task) and time.monotonic() < deadline:
+        time.sleep(0.0001)
 
 
 def _after_fork_in_parent() -> None:
