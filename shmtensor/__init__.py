@@ -49,9 +49,12 @@ def __dir__() -> list[str]:
 
 
 def empty_cache() -> int:
-    """Unmap every idle segment this process keeps for reuse; returns the bytes let go.
+    """Unmap every idle segment this process keeps for reuse.
 
-    Segments still held elsewhere (a consumer's view, a message in flight) are kept."""
+    Segments still in use (an array here, a consumer's view, a message in flight) are
+    kept; shmtensor makes or maps segments again as it needs them.
+
+    :returns: The bytes let go (of segments this process made; received ones it only unmaps)."""
     from . import _segments
     freed = _segments.empty_cache()
     _ofd_lease.forget_idle()

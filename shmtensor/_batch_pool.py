@@ -23,7 +23,36 @@ __all__ = ["BatchPool"]
 
 
 class BatchPool:
-    """``slots`` reusable shared arrays of one ``shape`` and ``dtype`` (see module docs)."""
+    """``slots`` reusable shared arrays of one ``shape`` and ``dtype``, for a producer that
+    fills batches of one shape again and again (a data-loader worker).
+
+    :meth:`acquire` returns a slot no process holds any more (every view of the batch sent
+    from it is gone, including in a consumer that died), and waits while all are out:
+    back-pressure, and no new segment per batch.  Make the pool in the process that fills
+    it; send the arrays it hands out on shmtensor's queues, which send them as handles.
+
+    :param shape: the shape of every batch (an int or a tuple of ints).
+    :param dtype: their dtype (anything :class:`numpy.dtype` takes, without Python
+        objects).
+    :param slots: how many batches may be out at once, an int >= 1.
+    :param order: ``"C"`` or ``"F"``, the memory layout of each batch.
+    :raises TypeError: ``slots`` is not an int, or ``dtype`` holds Python objects.
+    :raises ValueError: ``slots < 1``, a bad ``order``, or a bad sharing strategy setting.
+    :raises ShmSpaceError: /dev/shm (or memory) cannot hold ``slots`` batches.
+
+    Example::
+
+        >>> import shmtensor, shmtensor.multiprocessing as smp
+        >>> q = smp.SimpleQueue()
+        >>> with shmtensor.BatchPool((32, 3), "float32", slots=2) as pool:
+        ...     batch = pool.acquire()
+        ...     batch[:] = 1.0
+        ...     q.put(batch)       # crosses as a handle: no copy
+        ...     del batch          # the slot is free once the consumer drops it too
+        ...     float(q.get().sum())
+        96.0
+        >>> q.close()
+    """
 
     def __init__(self, shape, dtype=np.float32, slots: int = 4, order: str = "C") -> None:
         from ._alloc import _shape
@@ -48,13 +77,19 @@ class BatchPool:
 
     @property
     def slots(self) -> int:
+        """How many slots the pool has (0 once closed)."""
         return len(self._segments)
 
     def _free(self, seg: _segments.Segment) -> bool:
         return not seg.alive() and not ofd_lease.own_table().is_held(seg.slot)
 
     def try_acquire(self) -> np.ndarray | None:
-        """A free slot as an array (its old contents), or None when every slot is out."""
+        """A free slot, without waiting.
+
+        :returns: the slot as an array (holding its old contents), or None when every
+            slot is out.
+        :raises ValueError: the pool is closed.
+        :raises RuntimeError: called in a process other than the one that made the pool."""
         if not self._segments:
             raise ValueError("this BatchPool is closed")
         if os.getpid() != self._pid:
@@ -71,14 +106,17 @@ class BatchPool:
 
     def acquire(self, timeout: float | None = None, *,
                 warn_after: float | None = 5.0) -> np.ndarray:
-        """A free slot as an array, waiting while every slot is out.
+        """A free slot as an array (holding its old contents), waiting while every slot is
+        out (polling the slots' leases 0.1 ms to 5 ms apart).
 
-        ``timeout``: seconds to wait (None, the default: forever); :class:`TimeoutError`
-        when they pass.  ``warn_after``: seconds of waiting after which the ``shmtensor``
-        logger warns, once per pool, how many slots this process's views hold, how many
-        other processes hold, and which processes map the pool (None: never).  Polls the
-        slots' leases 0.1 ms to 5 ms apart.  Raises :class:`ValueError` on a closed pool and
-        :class:`RuntimeError` in a process other than the one that made the pool."""
+        :param timeout: seconds to wait; None (the default) waits forever.
+        :param warn_after: seconds of waiting after which the ``shmtensor`` logger warns,
+            once per pool, how many slots this process's views hold, how many other
+            processes hold, and which processes map the pool; None never warns.
+        :returns: the slot's array.
+        :raises TimeoutError: ``timeout`` passed with every slot still out.
+        :raises ValueError: the pool is closed.
+        :raises RuntimeError: called in a process other than the one that made the pool."""
         a = self.try_acquire()
         if a is not None:
             return a
@@ -127,7 +165,8 @@ class BatchPool:
                 f"by other processes; {mapped}")
 
     def close(self) -> None:
-        """Give the slots back for reuse as ordinary segments (views still alive stay valid)."""
+        """Give the slots back for reuse as ordinary segments; views still alive stay valid.
+        Closing twice does nothing.  ``with BatchPool(...) as pool:`` closes on exit."""
         segs, self._segments = self._segments, []
         for seg in segs:
             _segments.unpin(seg)

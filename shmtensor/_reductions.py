@@ -56,7 +56,13 @@ def _reduce_exception_with_traceback(e):
 
 
 class RemoteError(Exception):
-    """Stands in for a worker's exception whose type cannot be rebuilt in the caller."""
+    """Stands in for a pool worker's exception whose type cannot be rebuilt in the caller
+    (its class takes other ``__init__`` arguments than it gives ``Exception``, or is not
+    importable there).  The worker's traceback is its ``__cause__``, as for any exception
+    a pool re-raises.
+
+    :ivar type_name: the original exception's ``module.QualifiedName``.
+    :ivar message: its ``str()``."""
 
     def __init__(self, type_name: str, message: str) -> None:
         super().__init__(type_name, message)

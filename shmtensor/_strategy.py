@@ -170,19 +170,45 @@ def parent_settings() -> tuple[str | None, int | None, int | None]:
 
 
 def get_all_sharing_strategies() -> set[str]:
-    """The strategies this platform supports."""
+    """The sharing strategies this platform supports.
+
+    :returns: ``{"file_descriptor", "file_system"}`` where memfds exist (Linux), else
+        ``{"file_system"}``.  Never raises."""
     return set(_ALL)
 
 
 def get_sharing_strategy() -> str:
+    """The sharing strategy new shared memory is made with (see
+    :func:`set_sharing_strategy`).
+
+    :returns: ``"file_descriptor"`` or ``"file_system"``: what the program set, else
+        ``SHMTENSOR_SHARING_STRATEGY``, else ``"file_descriptor"`` where it exists.
+
+    :raises ValueError: ``SHMTENSOR_SHARING_STRATEGY`` holds a bad value and the program has
+        not set the strategy itself."""
     if "strategy" in _env_errors:
         _raise_env_error("strategy")
     return _strategy
 
 
 def set_sharing_strategy(strategy: str) -> None:
-    """``file_descriptor`` (memfds passed with each message: nothing in /dev/shm, ever) or
-    ``file_system`` (named /dev/shm segments, attached by name; a janitor unlinks them)."""
+    """Choose how shared memory made from now on is named and passed, for this process
+    and the children it starts afterwards.
+
+    :param strategy: ``"file_descriptor"`` (memfds passed with each message: nothing in
+        /dev/shm, ever) or ``"file_system"`` (named /dev/shm segments, attached by
+        name; a janitor unlinks them when their creator dies).
+
+    :raises ValueError: ``strategy`` is not one of :func:`get_all_sharing_strategies`.
+
+    Example::
+
+        >>> import shmtensor
+        >>> shmtensor.set_sharing_strategy("file_system")
+        >>> shmtensor.get_sharing_strategy()
+        'file_system'
+        >>> shmtensor.set_sharing_strategy("file_descriptor")
+    """
     global _strategy
     if not isinstance(strategy, str) or strategy not in _ALL:
         raise _strategy_error(strategy, "")
@@ -202,16 +228,38 @@ def _whole(value, what: str, unit: str, fix: str) -> int:
 
 
 def get_inline_threshold() -> int:
+    """The size in bytes from which an array that is not shared already crosses through
+    shared memory (see :func:`set_inline_threshold`).
+
+    :returns: The number of bytes: what the program set, else ``SHMTENSOR_INLINE_THRESHOLD``,
+        else 32 KiB.
+
+    :raises ValueError: ``SHMTENSOR_INLINE_THRESHOLD`` holds a bad value and the program has
+        not set the threshold itself."""
     if "threshold" in _env_errors:
         _raise_env_error("threshold")
     return _inline_threshold
 
 
 def set_inline_threshold(nbytes: int) -> None:
-    """Arrays under ``nbytes`` travel inside the message; the rest through shared memory.
+    """Send arrays under ``nbytes`` inside the message, and larger ones through shared
+    memory (copied once into a segment unless they live there already).  Applies to this
+    process and the children it starts afterwards.
 
-    ``nbytes`` is an int from 0 to 2**48 (see ``MAX_INLINE_THRESHOLD``); a bool is not a
-    size and is refused."""
+    :param nbytes: an int (numpy's integers too) from 0 (every array through shared memory)
+        to 2**48 (every array inline).
+
+    :raises TypeError: ``nbytes`` is a bool or not an integer.
+    :raises ValueError: ``nbytes`` is out of range.
+
+    Example::
+
+        >>> import shmtensor
+        >>> shmtensor.set_inline_threshold(64 * 1024)
+        >>> shmtensor.get_inline_threshold()
+        65536
+        >>> shmtensor.set_inline_threshold(32 * 1024)
+    """
     global _inline_threshold
     nbytes = _whole(nbytes, "the inline threshold", "bytes", "pass an int such as 81920")
     _inline_threshold = _check_threshold(nbytes, "inline threshold ")
@@ -219,17 +267,31 @@ def set_inline_threshold(nbytes: int) -> None:
 
 
 def get_receive_spin() -> int:
-    """Microseconds a reader polls its channel before it sleeps (0: never)."""
+    """How long a reader polls its channel before it sleeps (see
+    :func:`set_receive_spin`).
+
+    :returns: Microseconds (0: never polls): what the program set, else
+        ``SHMTENSOR_RECEIVE_SPIN_US``, else 100 with 4 or more CPUs and 0 with fewer.
+
+    :raises ValueError: ``SHMTENSOR_RECEIVE_SPIN_US`` holds a bad value and the program has
+        not set the spin itself."""
     if "spin" in _env_errors:
         _raise_env_error("spin")
     return _receive_spin_us
 
 
 def set_receive_spin(microseconds: int) -> None:
-    """How long a reader (``Queue.get``, ``SimpleQueue.get``, ``Connection.recv``) polls its
-    channel before it sleeps, while its previous wait was no longer: a writer then need not
-    wake it.  0 never polls.  Applies to channels opened (or received) after the call, and
-    to the children started after it (each keeps what its parent had when it started)."""
+    """Set how long a reader (``Queue.get``, ``SimpleQueue.get``, ``Connection.recv``)
+    polls its channel before it sleeps, while its previous wait was no longer: a writer
+    then need not wake it, at the cost of the reader's CPU while it polls.
+
+    Applies to channels opened (or received) after the call, and to the children started
+    after it (each keeps what its parent had when it started).
+
+    :param microseconds: an int from 0 (never poll) to 10000.
+
+    :raises TypeError: ``microseconds`` is a bool or not an integer.
+    :raises ValueError: ``microseconds`` is out of range."""
     global _receive_spin_us
     microseconds = _whole(microseconds, "the receive spin", "microseconds",
                           "pass an int such as 100, or 0 to turn it off")

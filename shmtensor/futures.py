@@ -14,7 +14,10 @@ executor starts its first worker before it queues any call), so
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import process as _cfp
+from multiprocessing.context import BaseContext
+from typing import Any
 
 from ._connection import Pipe
 from ._queues import _ShmQueue
@@ -39,10 +42,15 @@ class _CallQueue(_ShmQueue, _cfp._SafeQueue):
             self._on_queue_feeder_error(e, obj)
 
 
-def adopt_call_queue(queue) -> bool:
+def adopt_call_queue(queue: object) -> bool:
     """Make a stdlib executor's call queue (``_SafeQueue``) shmtensor's, in place, if it has
     not been used yet: the same object (the executor and its manager thread hold it) with
-    a socket instead of its pipe.  True if ``queue`` is (now) a shmtensor call queue."""
+    a socket instead of its pipe.  Rarely needed by hand: :class:`ProcessPoolExecutor`,
+    and a shmtensor context given to the stdlib's executor, call it.
+
+    :param queue: an executor's ``_call_queue``.
+    :returns: True if ``queue`` is (now) a shmtensor call queue; False if it is another
+        kind of queue, or was used or closed already (it is then left as it was)."""
     if type(queue) is _CallQueue:
         return True
     if type(queue) is not _cfp._SafeQueue or queue._thread is not None or queue._closed:
@@ -58,11 +66,33 @@ def adopt_call_queue(queue) -> bool:
 class ProcessPoolExecutor(_cfp.ProcessPoolExecutor):
     """``concurrent.futures.ProcessPoolExecutor`` on shmtensor's queues: an array argument
     or result crosses through shared memory (a shared array comes back as the same memory).
-    ``mp_context`` defaults to shmtensor's context for the default start method (for spawn
-    when ``max_tasks_per_child`` is given, as in the stdlib)."""
 
-    def __init__(self, max_workers=None, mp_context=None, initializer=None, initargs=(), *,
-                 max_tasks_per_child=None) -> None:
+    The arguments are the stdlib's; ``mp_context`` defaults to shmtensor's context for the
+    default start method (for spawn when ``max_tasks_per_child`` is given, as in the
+    stdlib).  A worker that dies breaks the executor with ``BrokenProcessPool``, as in
+    the stdlib.  For asyncio, ``loop.run_in_executor(executor, fn, *args)`` awaits a call.
+
+    :param max_workers: the number of workers (default: the CPUs available).
+    :param mp_context: a start method's context; a stdlib one works too (its result queue
+        then carries arrays by value).
+    :param initializer: called as ``initializer(*initargs)`` in each worker as it starts.
+    :param initargs: its arguments.
+    :param max_tasks_per_child: tasks a worker runs before it is replaced (None: no limit).
+
+    Example::
+
+        >>> import numpy as np
+        >>> from shmtensor.futures import ProcessPoolExecutor
+        >>> with ProcessPoolExecutor(2) as ex:
+        ...     float(ex.submit(np.sum, np.ones(1 << 20)).result())
+        1048576.0
+    """
+
+    def __init__(self, max_workers: int | None = None,
+                 mp_context: BaseContext | None = None,
+                 initializer: Callable[..., object] | None = None,
+                 initargs: tuple[Any, ...] = (), *,
+                 max_tasks_per_child: int | None = None) -> None:
         from .multiprocessing import get_context
         if mp_context is None:
             mp_context = get_context("spawn" if max_tasks_per_child is not None else None)

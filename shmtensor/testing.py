@@ -23,7 +23,10 @@ __all__ = ["LeakError", "leak_checker", "Leak"]
 
 
 class LeakError(AssertionError):
-    """Something outlived the code under check; ``.leaks`` lists what."""
+    """Something outlived the code under :class:`leak_checker`: an ``AssertionError``, so
+    a test that leaks fails.  ``str()`` lists the leaks, one a line.
+
+    :ivar leaks: the :class:`Leak` s found."""
 
     def __init__(self, leaks: list["Leak"]) -> None:
         self.leaks = leaks
@@ -33,6 +36,11 @@ class LeakError(AssertionError):
 
 @dataclass
 class Leak:
+    """One thing :class:`leak_checker` found: ``kind`` is ``"segment"``, ``"fd"``,
+    ``"process"`` or ``"cuda-export"``, ``what`` names it (``"/dev/shm/NAME"``,
+    ``"pid 123"``, ``"17"``) and ``detail`` says more (size, creator, who maps it, an fd's
+    target, a process's command line)."""
+
     kind: str          # "segment", "fd" or "process"
     what: str
     detail: dict = field(default_factory=dict)
@@ -76,7 +84,26 @@ def _fds() -> dict[int, str]:
 
 
 class leak_checker:
-    """Context manager that fails when segments, fds or child processes leak (see module)."""
+    """A context manager that fails when segments, fds or child processes leak.
+
+    On entry it records the state; on exit (unless the block raised) it collects this
+    process's garbage and idle caches, gives asynchronous releases up to ``timeout``
+    seconds, then raises :class:`LeakError` listing what is still there: shmtensor
+    segments in /dev/shm made by the checked processes, segments made by them that other
+    processes still map, fds opened and not closed (with ``check_fds``), child processes
+    still alive, and CUDA exports still held.
+
+    :param timeout: seconds to wait for releases that are still on their way.
+    :param check_fds: also report fds opened in the block and not closed.
+
+    Example::
+
+        >>> import shmtensor
+        >>> from shmtensor.testing import leak_checker
+        >>> with leak_checker(timeout=5) as lc:
+        ...     a = shmtensor.zeros(1 << 20)
+        ...     del a
+    """
 
     def __init__(self, timeout: float = 10.0, check_fds: bool = True) -> None:
         self.timeout = timeout
@@ -84,6 +111,9 @@ class leak_checker:
         self.checked_pids = {os.getpid()}
 
     def check_pid(self, pid: int | None) -> None:
+        """Also report segments made by process ``pid`` (a worker, a producer) that
+        outlive the block; None is ignored, so ``lc.check_pid(p.pid)`` is safe before
+        ``p.start()``."""
         if pid is not None:
             self.checked_pids.add(pid)
 

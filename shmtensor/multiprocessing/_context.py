@@ -14,10 +14,18 @@ import multiprocessing.context as _mpctx
 import os
 import sys
 from multiprocessing import reduction
+from typing import TYPE_CHECKING
 
 from .. import _reductions, _registry, _strategy, _wire
 from .._connection import Pipe as _Pipe
 from .. import _queues
+from .._connection import Connection
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+    from typing import Any
+
+    from . import _managers, _pool
 
 
 def _forget_new_fds(popen):
@@ -132,31 +140,42 @@ class ForkServerProcess(_ShmProcess, _mpctx.ForkServerProcess):
 class _ShmContext:
     """Factories of shmtensor's channels on top of a stdlib context."""
 
-    def Queue(self, maxsize: int = 0):
+    def Queue(self, maxsize: int = 0) -> _queues.Queue:
+        """A queue of this context (see :func:`shmtensor.multiprocessing.Queue`)."""
         return _queues.Queue(maxsize, ctx=self)
 
-    def JoinableQueue(self, maxsize: int = 0):
+    def JoinableQueue(self, maxsize: int = 0) -> _queues.JoinableQueue:
+        """A joinable queue of this context (see
+        :func:`shmtensor.multiprocessing.JoinableQueue`)."""
         return _queues.JoinableQueue(maxsize, ctx=self)
 
-    def SimpleQueue(self):
+    def SimpleQueue(self) -> _queues.SimpleQueue:
+        """A simple queue of this context (see
+        :func:`shmtensor.multiprocessing.SimpleQueue`)."""
         return _queues.SimpleQueue(ctx=self)
 
-    def Pipe(self, duplex: bool = True):
+    def Pipe(self, duplex: bool = True) -> tuple[Connection, Connection]:
+        """A pair of connections (see :func:`shmtensor.multiprocessing.Pipe`)."""
         return _Pipe(duplex)
 
-    def Pool(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None):
-        """A process pool whose tasks and results cross through shared memory."""
+    def Pool(self, processes: int | None = None,
+             initializer: Callable[..., object] | None = None, initargs: Iterable[Any] = (),
+             maxtasksperchild: int | None = None) -> _pool.Pool:
+        """A process pool of this context whose tasks and results cross through shared
+        memory (see :func:`shmtensor.multiprocessing.Pool`)."""
         from ._pool import Pool
         return Pool(processes, initializer, initargs, maxtasksperchild, context=self)
 
-    def Manager(self):
-        """A started SyncManager whose connections carry arrays through shared memory."""
+    def Manager(self) -> _managers.SyncManager:
+        """A started SyncManager of this context whose connections carry arrays through
+        shared memory (see :func:`shmtensor.multiprocessing.Manager`)."""
         from ._managers import SyncManager
         m = SyncManager(ctx=self)
         m.start()
         return m
 
-    def get_context(self, method: str | None = None):
+    def get_context(self, method: str | None = None) -> _ShmContext:
+        """This context (``method`` None), else :func:`get_context` of ``method``."""
         return self if method is None else get_context(method)
 
     def __repr__(self) -> str:
@@ -164,22 +183,48 @@ class _ShmContext:
 
 
 class ForkContext(_ShmContext, _mpctx.ForkContext):
+    """The ``"fork"`` start method's context (``multiprocessing.context.ForkContext``)
+    with shmtensor's Queue, JoinableQueue, SimpleQueue, Pipe, Pool and Manager.  Get it
+    with ``get_context("fork")``."""
+
     Process = ForkProcess
 
 
 class SpawnContext(_ShmContext, _mpctx.SpawnContext):
+    """The ``"spawn"`` start method's context with shmtensor's channels; its Process is
+    pickled whole through shmtensor, so shared arrays in its arguments or attributes
+    arrive as the same memory.  Get it with ``get_context("spawn")``."""
+
     Process = SpawnProcess
 
 
 class ForkServerContext(_ShmContext, _mpctx.ForkServerContext):
+    """The ``"forkserver"`` start method's context with shmtensor's channels, its Process
+    pickled as :class:`SpawnContext`'s.  Get it with ``get_context("forkserver")``."""
+
     Process = ForkServerProcess
 
 
 _contexts = {"fork": ForkContext(), "spawn": SpawnContext(), "forkserver": ForkServerContext()}
 
 
-def get_context(method: str | None = None):
-    """A shmtensor context for ``method`` (default: multiprocessing's current start method)."""
+def get_context(method: str | None = None) -> _ShmContext:
+    """A shmtensor context: a real ``multiprocessing`` context of the start method whose
+    factories make shmtensor's channels.  Changes nothing global.
+
+    :param method: ``"fork"``, ``"spawn"`` or ``"forkserver"``; None (the default) takes
+        multiprocessing's current start method.
+    :returns: a :class:`ForkContext`, :class:`SpawnContext` or :class:`ForkServerContext`
+        (the same object on every call).
+    :raises ValueError: ``method`` is unknown or not available on this platform.
+
+    Example::
+
+        >>> import shmtensor.multiprocessing as smp
+        >>> ctx = smp.get_context("spawn")
+        >>> ctx.get_start_method()
+        'spawn'
+    """
     if method is None:
         method = multiprocessing.get_start_method()
     try:
@@ -193,7 +238,21 @@ def get_context(method: str | None = None):
 
 
 class Process(_ShmProcess, multiprocessing.process.BaseProcess):
-    """``multiprocessing.Process`` for the current start method, with shmtensor pickling."""
+    """``multiprocessing.Process`` of the current start method: under spawn and
+    forkserver it is pickled whole through shmtensor (a shared array among its arguments
+    or attributes is the same memory in the child; a lambda target goes by value).  Same
+    arguments as the stdlib's ``Process(group, target, name, args, kwargs, *, daemon)``.
+
+    Example::
+
+        >>> import shmtensor, shmtensor.multiprocessing as smp
+        >>> a = shmtensor.zeros(3)
+        >>> p = smp.Process(target=a.fill, args=(7.0,))
+        >>> p.start(); p.join(60); p.exitcode
+        0
+        >>> a.tolist()        # the child wrote the parent's memory
+        [7.0, 7.0, 7.0]
+    """
 
     _start_method = None
 

@@ -35,7 +35,14 @@ from .._reductions import RemoteError
 __all__ = ["Pool", "WorkerLostError", "RemoteError"]
 
 class WorkerLostError(BrokenProcessPool):
-    """A pool worker died (signal, ``os._exit``, crash) while calls were pending."""
+    """A worker of a :func:`shmtensor.multiprocessing.Pool` died (a signal, ``os._exit``,
+    a crash, running out of memory) while calls were pending.
+
+    Raised by the ``get()`` of every call pending then, and by every later call on the
+    pool, which is broken: close it and make a new one.  The message names the worker's
+    pid and its exit code or signal.  A subclass of
+    ``concurrent.futures.process.BrokenProcessPool``, so code that catches that for
+    ``ProcessPoolExecutor`` catches this too."""
 
 
 def _describe(code: int) -> str:
@@ -163,7 +170,8 @@ class _ResultQueue(_queues.SimpleQueue):
 
 
 class Pool(_mpp.Pool):
-    """``multiprocessing.Pool`` on shmtensor channels that fails fast when a worker dies."""
+    """``multiprocessing.Pool`` on shmtensor channels that fails fast when a worker dies
+    (see :func:`shmtensor.multiprocessing.Pool`, which makes one)."""
 
     def _setup_queues(self) -> None:
         self._inqueue = self._ctx.SimpleQueue()

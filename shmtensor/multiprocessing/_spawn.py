@@ -30,7 +30,10 @@ _PR_SET_PDEATHSIG = 1
 
 
 class ProcessException(Exception):
-    """A child started by :func:`spawn` failed."""
+    """A child started by :func:`spawn` failed (the base of the exceptions it raises).
+
+    :ivar error_index: the failed child's rank.
+    :ivar pid: its process id."""
 
     def __init__(self, msg: str, error_index: int, pid: int) -> None:
         super().__init__(msg)
@@ -41,11 +44,14 @@ class ProcessException(Exception):
 
 
 class ProcessRaisedException(ProcessException):
-    """``fn`` raised in a child; ``str()`` holds the child's traceback."""
+    """``fn`` raised in a child; ``str()`` holds the child's formatted traceback."""
 
 
 class ProcessExitedException(ProcessException):
-    """A child exited without raising: a non-zero exit code or a signal."""
+    """A child exited without raising: a non-zero exit code or a signal.
+
+    :ivar exit_code: its exit code (``-N`` for signal N).
+    :ivar signal_name: the signal's name (``"SIGKILL"``), or None for an exit code."""
 
     def __init__(self, msg: str, error_index: int, error_pid: int, exit_code: int,
                  signal_name: str | None = None) -> None:
@@ -105,7 +111,10 @@ def _wrap(fn, rank: int, args: tuple, error_file: str, use_pdeathsig: bool) -> N
 
 
 class ProcessContext:
-    """The children of one :func:`spawn` call; ``join(timeout)`` reports progress."""
+    """The children of one :func:`spawn` call with ``join=False``.
+
+    Call :meth:`join` until it returns True; :attr:`processes` are the children's
+    ``Process`` objects, in rank order."""
 
     def __init__(self, processes, error_files) -> None:
         self.processes = processes
@@ -113,11 +122,21 @@ class ProcessContext:
         self.sentinels = {p.sentinel: rank for rank, p in enumerate(processes)}
 
     def pids(self) -> list[int]:
+        """The children's process ids, in rank order."""
         return [int(p.pid) for p in self.processes]
 
     def join(self, timeout: float | None = None, grace_period: float | None = 5.0) -> bool:
-        """True once every child exited cleanly, False if some still run after ``timeout``;
-        raises on the first failure, after stopping the siblings."""
+        """Wait for the children.
+
+        :param timeout: seconds to wait; None waits until every child has exited or one
+            failed.
+        :param grace_period: seconds the siblings of a failed child get between SIGTERM
+            and SIGKILL.
+        :returns: True once every child exited cleanly, False if some still run after
+            ``timeout``.
+        :raises ProcessRaisedException: a child's ``fn`` raised (siblings are stopped).
+        :raises ProcessExitedException: a child exited non-zero or was killed by a signal
+            (siblings are stopped)."""
         if not self.sentinels:
             return True
         ready = multiprocessing.connection.wait(list(self.sentinels), timeout=timeout)
@@ -197,7 +216,11 @@ class ProcessContext:
 
 def start_processes(fn, args=(), nprocs: int = 1, join: bool = True, daemon: bool = False,
                     start_method: str = "spawn", *, timeout: float | None = None):
-    """Like :func:`spawn`, for any start method."""
+    """:func:`spawn` under any start method (``"spawn"`` by default, ``"fork"``,
+    ``"forkserver"``); the same arguments, returns and errors.
+
+    :raises ValueError: ``nprocs < 1``, ``timeout`` not > 0, ``timeout`` with
+        ``join=False``, or an unknown ``start_method``."""
     from ._context import get_context
     if nprocs < 1:
         raise ValueError(f"nprocs must be at least 1, got {nprocs}")
@@ -232,13 +255,36 @@ def start_processes(fn, args=(), nprocs: int = 1, join: bool = True, daemon: boo
 
 def spawn(fn, args=(), nprocs: int = 1, join: bool = True, daemon: bool = False,
           start_method: str = "spawn", *, timeout: float | None = None):
-    """Run ``fn(rank, *args)`` in ``nprocs`` processes (``rank`` = 0..nprocs-1).
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes (``rank`` = 0..nprocs-1),
+    as ``torch.multiprocessing.spawn`` does, and fail fast.
 
-    ``fn`` may be a lambda or a closure (it then goes by value, with cloudpickle).  With
-    ``join`` (the default) this returns when every child exited and raises on the first
-    failure; with ``join=False`` it returns a :class:`ProcessContext` to ``join(timeout)``
-    yourself.  ``timeout`` (seconds, None: forever) bounds the wait of ``join=True``: the
-    ranks still running then are stopped and :class:`ProcessTimeoutError` (a
-    ``TimeoutError``) names them.
+    A child whose ``fn`` raises writes its traceback for the parent; the first failure
+    stops the other ranks (SIGTERM, then SIGKILL after 5 s) and is raised here.  Children
+    die with their parent.  ``fn`` may be a lambda or a closure (it then goes by value,
+    with cloudpickle); shared arrays in ``args`` arrive as the same memory.
+
+    :param fn: called as ``fn(rank, *args)`` in each child.
+    :param args: the remaining arguments of ``fn``.
+    :param nprocs: how many processes, >= 1.
+    :param join: wait for them (True, the default), or return at once.
+    :param daemon: start them as daemon processes.
+    :param start_method: ``"spawn"`` (the default), ``"fork"`` or ``"forkserver"``.
+    :param timeout: seconds the wait of ``join=True`` may last (None: forever); the ranks
+        still running then are stopped.
+    :returns: None with ``join=True``; a :class:`ProcessContext` with ``join=False``, to
+        ``join(timeout)`` yourself.
+    :raises ProcessRaisedException: a rank's ``fn`` raised; the message holds its
+        traceback.
+    :raises ProcessExitedException: a rank exited non-zero or was killed by a signal.
+    :raises ProcessTimeoutError: ``timeout`` passed; it names the ranks still running.
+    :raises ValueError: a bad ``nprocs``, ``timeout`` or ``start_method``.
+
+    Example::
+
+        >>> import shmtensor, shmtensor.multiprocessing as smp
+        >>> out = shmtensor.zeros(4)
+        >>> smp.spawn(lambda rank, a: a.__setitem__(rank, rank * 10), (out,), nprocs=4)
+        >>> out.tolist()
+        [0.0, 10.0, 20.0, 30.0]
     """
     return start_processes(fn, args, nprocs, join, daemon, start_method, timeout=timeout)
