@@ -18,7 +18,8 @@ Facts this module is built on:
   feeder thread pickling an array.  The runtime (CuPy's calls) makes its device's primary
   context current on a thread's first call; ctypes calls here run inside :class:`Current`.
   Asked for the IPC handle of another context's event, the driver (580) crashes the
-  process, and no call says which context an event is of (:func:`event_handle`).
+  process, and no call says which context an event is of: the caller names the event's
+  device (:func:`event_handle`).
 
 The driver entry points CuPy does not bind go through a small ctypes layer over libcuda
 and libnvidia-ml, checked call by call (``_check``): it needs no extra package.
@@ -32,9 +33,9 @@ import sys
 import threading
 
 __all__ = ["device_count", "parse_visible_devices", "uuids_to_ordinals", "nvml_device_count",
-           "nvml_uuids", "address_range", "buffer_id", "Current", "event_handle",
-           "cuda_initialized", "bad_fork", "check_not_bad_fork", "check_can_initialize",
-           "CudaIpcError", "BAD_FORK_MESSAGE"]
+           "nvml_uuids", "address_range", "buffer_id", "Current", "active_devices",
+           "event_handle", "cuda_initialized", "bad_fork", "check_not_bad_fork",
+           "check_can_initialize", "CudaIpcError", "BAD_FORK_MESSAGE"]
 
 BAD_FORK_MESSAGE = ("Cannot re-initialize CUDA in forked subprocess; use the spawn or "
                     "forkserver start method")
@@ -315,8 +316,11 @@ class Current:
             _libcuda().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
 
-def _active_devices(lib) -> list[int]:
+def active_devices() -> list[int]:
     """The devices whose primary context is active in this process (CUDA initialised)."""
+    lib = _libcuda()
+    if lib is None:
+        raise CudaIpcError("libcuda.so.1 is not loadable: is the NVIDIA driver installed?")
     count = ctypes.c_int()
     _check("cuDeviceGetCount", lib.cuDeviceGetCount(ctypes.byref(count)))
     out = []
@@ -328,20 +332,13 @@ def _active_devices(lib) -> list[int]:
     return out
 
 
-def event_handle(event: int, current: int) -> bytes:
-    """The IPC handle of ``event`` (a CUevent of some device's primary context, as CuPy's
-    are), asked under that context.  No call names an event's context, and asked under
-    another the driver (580) crashes the process: where one device's primary context is
-    active, the event is of that device; where several are, it is taken to be of
-    ``current`` (the caller's current device), so such an event must be sent while its own
-    device is current."""
-    lib = _libcuda()
-    if lib is None:
-        raise CudaIpcError("libcuda.so.1 is not loadable: is the NVIDIA driver installed?")
-    active = _active_devices(lib)
-    device = active[0] if len(active) == 1 else current
+def event_handle(event: int, device: int) -> bytes:
+    """The IPC handle of ``event``, a CUevent of ``device``'s primary context (as CuPy's
+    are), asked under that context on any thread.  The caller must know the device: no
+    call names an event's context, and asked under another the driver (580) crashes the
+    process."""
     buf = ctypes.create_string_buffer(64)  # CUipcEventHandle
-    with Current(device):
+    with Current(device) as lib:
         _check("cuIpcGetEventHandle", lib.cuIpcGetEventHandle(buf, ctypes.c_void_p(event)))
     return buf.raw
 

@@ -410,3 +410,60 @@ def event_on_device1_sent_while_device0_is_current(in_thread):
         assert float(spin[0]) == 1.0
     p.join(60)
     assert p.exitcode == 0
+
+
+def event_on(device):
+    """An interprocess event made on ``device`` (in a thread that may have no context)."""
+    with cp().cuda.Device(device):
+        return cp().cuda.Event(interprocess=True, disable_timing=True)
+
+
+def event_made_before_shmtensor():
+    """Make an event on GPU 1 before importing shmtensor, use both GPUs, then send it and
+    one made after; prints what each send did (run in a fresh process)."""
+    import cupy
+    with cupy.cuda.Device(1):
+        early = cupy.cuda.Event(interprocess=True, disable_timing=True)
+    cupy.zeros(1)  # GPU 0's context is active too
+    import shmtensor.multiprocessing as smp
+    from shmtensor.ipc import cuda_ipc
+    r, w = smp.Pipe(duplex=False)
+    try:
+        w.send(early)
+        print("sent: made before")
+    except cuda_ipc.CudaIpcError as e:
+        print(f"refused: {e}")
+    with cupy.cuda.Device(1):
+        late = cupy.cuda.Event(interprocess=True, disable_timing=True)
+    w.send(late)  # GPU 0 is current
+    print("sent: made after")
+    r.close()
+    w.close()
+
+
+def event_creation_cost(rounds=7, n=20000):
+    """Microseconds per ``cupy.cuda.Event()`` (made and destroyed), plain and interprocess,
+    with shmtensor's device-recording ``__init__`` and with CuPy's own: the best of
+    ``rounds`` alternating rounds of ``n`` events."""
+    import shmtensor  # noqa: F401 (installs the recording __init__)
+    cupy = cp()
+    cupy.zeros(1)
+    cls = cupy.cuda.Event
+    wrapped, plain = cls.__init__, cls.__init__.__wrapped__
+    best = {}
+    try:
+        for _ in range(rounds):
+            for name, init in (("shmtensor", wrapped), ("cupy", plain)):
+                cls.__init__ = init
+                for kind, kwargs in (("plain", {}),
+                                     ("interprocess", {"interprocess": True,
+                                                       "disable_timing": True})):
+                    t = time.perf_counter()
+                    for _ in range(n):
+                        cls(**kwargs)
+                    us = (time.perf_counter() - t) / n * 1e6
+                    key = f"{kind} {name}"
+                    best[key] = min(best.get(key, us), us)
+    finally:
+        cls.__init__ = wrapped
+    return best

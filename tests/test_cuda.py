@@ -234,7 +234,7 @@ def test_cuda_event_handle_multi_gpu(cp, ctx, lc):
     q, out = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=ch.event_importer, args=(q, out))  # its current device: 0
     p.start()
-    with cp.cuda.Device(1):  # sent while its device is current (see reduce_cupy_event)
+    with cp.cuda.Device(1):  # sent while its device is current
         e1 = cp.cuda.Event(interprocess=True, disable_timing=True)
         q.put(e1)
         assert out.get(timeout=JOIN) == "ready"

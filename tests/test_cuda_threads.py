@@ -118,29 +118,61 @@ def test_process_pool_executor_with_cupy_arguments_and_results(cp, kind, ctx, lc
 
 _CHILD = ("import sys; sys.path[:0] = {paths!r}\n"
           "import cuda_helpers as ch\n"
-          "ch.event_on_device1_sent_while_device0_is_current({in_thread})\n"
+          "ch.{function}({args})\n"
           "print('ok')\n")
 
 
-OPEN_14D = pytest.mark.xfail(strict=True, reason=(
-    "issue 26 item 14(d), open: with both GPUs' contexts active, the event's device cannot "
-    "be told (no driver call names an event's context; probing by a record hung), so the "
-    "current device's is used and the driver crashes"))
+def _in_child(function, *args):
+    """``cuda_helpers.function(*args)`` in a new Python process, which the driver may crash:
+    its stdout and stderr, after checking that it printed ok and exited with 0."""
+    import os
+    paths = [os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))]
+    code = _CHILD.format(paths=paths, function=function, args=", ".join(map(repr, args)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0 and out.stdout.split()[-1:] == ["ok"], (out.returncode,
+                                                                        out.stderr[-2000:])
+    return out.stdout, out.stderr
 
 
 @two_gpus
-@pytest.mark.parametrize("in_thread", [pytest.param(False, marks=OPEN_14D), True],
-                         ids=["device0-current", "new-thread"])
+@pytest.mark.parametrize("in_thread", [False, True], ids=["device0-current", "new-thread"])
 def test_event_of_one_gpu_sent_while_another_is_current(in_thread):
     """Asked for the handle of another device's event, the driver crashes the process: run
-    in a child, so that a crash is a failure here.  From a new thread, only GPU 1's context
-    is active in that process: the event is of it."""
-    import os
-    paths = [os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))]
-    out = subprocess.run([sys.executable, "-c", _CHILD.format(paths=paths, in_thread=in_thread)],
-                         capture_output=True, text=True, timeout=180)
-    assert out.returncode == 0 and out.stdout.split()[-1:] == ["ok"], (out.returncode,
-                                                                        out.stderr[-2000:])
+    in a child, so that a crash is a failure here.  The event recorded the device it was
+    made on (shmtensor was imported first, CuPy after), and its handle is asked there."""
+    _in_child("event_on_device1_sent_while_device0_is_current", in_thread)
+
+
+@two_gpus
+def test_event_made_before_shmtensor_is_refused_with_two_gpus_in_use():
+    """An event made before ``import shmtensor`` did not record its device: with both GPUs'
+    contexts active it is refused before any driver call (no crash), with the fix; one
+    made after is sent."""
+    stdout, _ = _in_child("event_made_before_shmtensor")
+    refused = [line for line in stdout.splitlines() if line.startswith("refused: ")]
+    assert len(refused) == 1, stdout
+    assert "its device was not recorded (it was made before `import shmtensor`)" in refused[0]
+    assert "several GPUs ([0, 1])" in refused[0]
+    assert "Make the event after `import shmtensor`" in refused[0]
+    assert "sent: made after" in stdout
+
+
+def test_events_record_their_device(cp):
+    """Every CuPy event made after ``import shmtensor``, by the user or by CuPy itself
+    (``Stream.record``), records its device, in any thread; one wrapper, one class."""
+    assert cp.cuda.Event is cp.cuda.stream.Event
+    init = cp.cuda.Event.__init__
+    assert init._shmtensor_records_device and not hasattr(init.__wrapped__, "__wrapped__")
+    from shmtensor.cuda import _events
+    _events.record_devices(cp)
+    assert cp.cuda.Event.__init__ is init
+    devices = range(min(shmtensor.cuda.device_count(), 2))
+    for device in devices:
+        with cp.cuda.Device(device):
+            made = [cp.cuda.Event(), cp.cuda.Event(interprocess=True, disable_timing=True),
+                    cp.cuda.Stream().record(), ch.in_fresh_thread(ch.event_on, device)]
+            assert [e._shmtensor_device for e in made] == [device] * 4
 
 
 def test_current_context_costs_one_call_when_current(cp):

@@ -6,10 +6,16 @@ carries its handle; the receiver's stream waits on it (the host never waits).  R
 an event another process is still waiting on costs ~0.1 ms per send, so the ring keeps
 ``RING`` of them apart.  A receiver opens each sender's ring event once and keeps up to
 ``RING_OPENED_LIMIT`` of them, closing the oldest first.
+
+An event a user sends crosses by its IPC handle, which must be asked under the context of
+the event's device: asked under another, the driver (580) crashes the process, and no call
+names an event's context.  So from the moment CuPy is imported (or shmtensor, if CuPy came
+first) every ``cupy.cuda.Event`` records the device it was made on (:func:`record_devices`).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 
@@ -145,15 +151,68 @@ class IpcEvent:
         return _rebuild_event, (self.handle,)
 
 
-def reduce_event(ev):
-    """An interprocess event's handle, asked under its device's context on any thread
-    (:func:`cuda_ipc.event_handle`).  Where this process uses several GPUs, send an event
-    while its own device is current: a CuPy event does not say which device it belongs to,
-    and the driver (580) crashes the process when asked for the handle of another device's
-    event."""
-    cp = _device.cupy()
+_wrap_lock = threading.Lock()
+
+
+def record_devices(cp) -> None:
+    """Make every ``cupy.cuda.Event`` made from now on record its device (the current one,
+    right after creation) as its ``_shmtensor_device``.  Idempotent, and no driver call (CUDA
+    stays uninitialised).  A CuPy whose ``Event`` cannot take it (not a plain class with a
+    ``__dict__``; a module named ``cupy`` that is not CuPy) is left as it is: its events are
+    sent as events made before shmtensor (:func:`_device_of`)."""
     try:
-        handle = cuda_ipc.event_handle(ev.ptr, cp.cuda.runtime.getDevice())
+        classes = {cp.cuda.Event, cp.cuda.stream.Event}
+        get_device = cp.cuda.runtime.getDevice
+    except AttributeError:
+        return
+    with _wrap_lock:
+        for cls in classes:
+            init = cls.__dict__.get("__init__") if isinstance(cls, type) else None
+            if (init is None or not cls.__dictoffset__
+                    or getattr(init, "_shmtensor_records_device", False)):
+                continue
+            try:
+                cls.__init__ = _recording_device(init, get_device)
+            except TypeError:  # an extension type's attributes are read-only
+                pass
+
+
+def _recording_device(init, get_device):
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._shmtensor_device = get_device()
+
+    __init__._shmtensor_records_device = True
+    return __init__
+
+
+def _device_of(ev) -> int:
+    """The device whose context ``ev`` is of: the one it recorded, else (an event made
+    before shmtensor tagged CuPy's) the one GPU in use in this process.  With several in
+    use, it cannot be told, and guessing wrong crashes the process: refused."""
+    device = getattr(ev, "_shmtensor_device", None)
+    if device is not None:
+        return device
+    active = cuda_ipc.active_devices()
+    if len(active) == 1:
+        return active[0]
+    if not active:  # no context: the event is not a CuPy event of a primary context
+        return _device.cupy().cuda.runtime.getDevice()
+    raise cuda_ipc.CudaIpcError(
+        "cannot send this CUDA event: its device was not recorded (it was made before "
+        f"`import shmtensor`), and this process uses several GPUs ({active}). "
+        "Asked for the handle of another GPU's event, the CUDA driver crashes the process, "
+        "so shmtensor does not guess. Make the event after `import shmtensor` (shmtensor "
+        "then records the device of each event made), or make a new one in its place.")
+
+
+def reduce_event(ev):
+    """An interprocess event's handle, asked under its device's context on any thread."""
+    _device.cupy()  # the fork error, before any driver call
+    device = _device_of(ev)
+    try:
+        handle = cuda_ipc.event_handle(ev.ptr, device)
     except cuda_ipc.CudaIpcError as e:
         raise ValueError("only events made with cupy.cuda.Event(interprocess=True, "
                          f"disable_timing=True) can cross processes ({e})") from e

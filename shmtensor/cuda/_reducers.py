@@ -49,6 +49,7 @@ def register() -> None:
     import cupy as cp
     _registry.register(cp.ndarray, reduce_cupy_array, lane_dumps)
     _registry.register(cp.cuda.Event, _events.reduce_event)
+    _events.record_devices(cp)  # done already where CuPy was imported after shmtensor
 
 
 def collect() -> int:
