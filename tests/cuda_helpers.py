@@ -252,9 +252,9 @@ def slow_writer(queue, value, cycles, kind="ipc"):
 
 def event_importer(queue, out):
     """Receive the parent's event, say ready, wait for its record, then check it on the host."""
-    event = queue.get()
+    event = queue.get(timeout=60)
     out.put("ready")
-    assert queue.get() == "recorded"
+    assert queue.get(timeout=60) == "recorded"
     event.synchronize()
     out.put(event.query())
 

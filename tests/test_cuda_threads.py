@@ -124,15 +124,30 @@ _CHILD = ("import sys; sys.path[:0] = {paths!r}\n"
 
 def _in_child(function, *args):
     """``cuda_helpers.function(*args)`` in a new Python process, which the driver may crash:
-    its stdout and stderr, after checking that it printed ok and exited with 0."""
+    its stdout, after checking that it printed ok and exited with 0.  In a session of its
+    own, killed with all it started once it ends: a receiver it spawned would otherwise
+    wait on for a sender that crashed."""
     import os
+    import signal
+    import tempfile
     paths = [os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))]
     code = _CHILD.format(paths=paths, function=function, args=", ".join(map(repr, args)))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=180)
-    assert out.returncode == 0 and out.stdout.split()[-1:] == ["ok"], (out.returncode,
-                                                                        out.stderr[-2000:])
-    return out.stdout, out.stderr
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=err, text=True,
+                             start_new_session=True)
+        try:
+            p.wait(timeout=180)
+        finally:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:  # nothing of it left
+                pass
+            p.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    assert p.returncode == 0 and stdout.split()[-1:] == ["ok"], (p.returncode, stderr[-2000:])
+    return stdout
 
 
 @two_gpus
@@ -149,7 +164,7 @@ def test_event_made_before_shmtensor_is_refused_with_two_gpus_in_use():
     """An event made before ``import shmtensor`` did not record its device: with both GPUs'
     contexts active it is refused before any driver call (no crash), with the fix; one
     made after is sent."""
-    stdout, _ = _in_child("event_made_before_shmtensor")
+    stdout = _in_child("event_made_before_shmtensor")
     refused = [line for line in stdout.splitlines() if line.startswith("refused: ")]
     assert len(refused) == 1, stdout
     assert "its device was not recorded (it was made before `import shmtensor`)" in refused[0]
