@@ -1,12 +1,12 @@
-"""What a fan-in channel can reach on this machine (a diagnostic for bench_fanin).
+"""What a fan-in channel can reach on this machine (a diagnostic for the fan-in of bench_channels).
 
 ``python -m benchmarks._fanin_floor [ROUNDS]``: 8 spawned producers put ``COUNT`` items
 each, one consumer takes them; aggregate items/s, CPU per item of the producers and the
 consumer, and the producers' voluntary context switches per item, for:
 
-* the stdlib's ``Queue(64)`` with a 1 KB numpy array (bench_fanin's baseline) and with
+* the stdlib's ``Queue(64)`` with a 1 KB numpy array (the fan-in baseline) and with
   ``None`` (the cost of the queue alone, without an array to pickle);
-* shmtensor's ``Queue(64)`` with ``None`` and with a shared 1 MB array (bench_fanin's row);
+* shmtensor's ``Queue(64)`` with ``None`` and with a shared 1 MB array (the former fan-in row);
 * a bounded ring of 32-byte records in shared memory, counted by two POSIX semaphores
   (a futex: no syscall unless someone waits) and written under one lock: the floor of
   any channel that makes no syscall per item, with nothing carried but the record.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,16 +102,13 @@ class Section:
     targets: list[dict]
     data: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    summary: list[dict] = field(default_factory=list)  # its rows of the page's summary table
 
     def render(self) -> str:
         parts = [f"== {self.title} ==", self.table]
         parts += [f"  {note}" for note in self.notes]
         parts += ["targets:", format_targets(self.targets)]
         return "\n".join(parts)
-
-
-def write_json(path: Path, **sections) -> None:
-    path.write_text(json.dumps(sections, indent=2) + "\n")
 
 
 def plot(path: Path, results: list[dict], title: str) -> bool:

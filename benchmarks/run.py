@@ -1,26 +1,27 @@
 """shmtensor beside its peers, in one run: the core per-array table and the sections.
 
-Usage: ``scripts/bench [--quick] [--out DIR]``.  Runs, in order: the core table (queues of
-stdlib, shmtensor, torch, SharedMemory, joblib; :mod:`benchmarks.bench_core`), the inline
-threshold sweep, small arrays at scale, ``Pool.map`` of 1 GB of arrays (beside Ray, mpire,
-loky, joblib and the compute floor), an 8-producer fan-in, a 4-worker data loader (beside
-torch's and grain's), torch's DataLoader with default collate (torch's context against
-shmtensor's), the CLI's overhead, where CuPy sees a GPU, the CUDA relay and 1 GiB re-send
-(:mod:`benchmarks.bench_cuda`), and, where Ray is installed, a 64 MB actor -> task -> actor
-round trip against plain Ray (:mod:`benchmarks.bench_ray`).  Prints every table with its
-targets' verdicts, writes ``DIR/results.json`` and, with matplotlib, ``DIR/plot.png`` (the
-core table) and ``DIR/pool_map.png``.
+Usage: ``scripts/bench [--quick] [--out DIR] [--write-docs | --no-write-docs]`` or
+``scripts/bench --render DIR/results.json [--write-docs]``.  Runs, in order: the core table
+(queues of stdlib, shmtensor, torch, SharedMemory, joblib; :mod:`benchmarks.bench_core`),
+the inline threshold sweep, small arrays at scale, ``Pool.map`` of 1 GB of arrays (beside
+Ray, mpire, loky, joblib and the compute floor), channels (round trip, fan-in 8 -> 1,
+fan-out 1 -> 4, beside faster-fifo and iceoryx2; :mod:`benchmarks.bench_channels`), a
+4-worker data loader (beside torch's and grain's), torch's DataLoader with default collate,
+the CLI's overhead, where CuPy sees a GPU the CUDA relay (:mod:`benchmarks.bench_cuda`),
+and, where Ray is installed, a 64 MB actor -> task -> actor round trip
+(:mod:`benchmarks.bench_ray`).  Prints every table with its targets' verdicts and writes
+``DIR/results.json``, the page ``DIR/benchmarks.md`` and its plots ``DIR/img/*.png``
+(:mod:`benchmarks._page`); a full run, or ``--write-docs``, writes the page and the plots
+into ``docs/`` too.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import hashlib
-import importlib
+import json
 import os
-import platform
-import subprocess
+import shlex
+import shutil
 import sys
 import time
 import traceback
@@ -28,82 +29,15 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-import psutil
-
 import shmtensor as st
 
-from . import (_report, bench_cli, bench_core, bench_cuda, bench_fanin, bench_loader,
-               bench_pool, bench_ray, bench_scale, bench_threshold, bench_torch_loader)
+from . import (_machine, _page, _report, _summary, bench_channels, bench_cli, bench_core,
+               bench_cuda, bench_loader, bench_pool, bench_ray, bench_scale, bench_threshold,
+               bench_torch_loader)
 from ._report import Section
 
 ROOT = Path(__file__).resolve().parent.parent
-LIBRARY = ("shmtensor", "ipc")
-
-
-def available(module: str) -> str | None:
-    """The module's version when it imports, else None."""
-    try:
-        return importlib.import_module(module).__version__
-    except (ImportError, OSError):  # OSError: a wheel whose shared libraries do not load
-        return None
-
-
-def machine_info(quick: bool) -> dict:
-    """What the numbers were measured on (and with), for results.json."""
-    return {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "platform": platform.platform(),
-        "processor": _cpu_model(),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "memory_bytes": psutil.virtual_memory().total,
-        "numpy": np.__version__,
-        "shmtensor": st.__version__,
-        "library_at_start": library_version(),
-        "inline_threshold": st.get_inline_threshold(),
-        "torch": available("torch"),
-        "joblib": available("joblib"),
-        **{m: available(m) for m in ("ray", "loky", "grain")},
-        "mpire": _distribution_version("mpire"),
-        "quick": quick,
-        "load_average_at_start": os.getloadavg()[0],
-    }
-
-
-def library_version() -> str | None:
-    """The git commit of the code under test; ``+dirty.<hash of the diff>`` when shmtensor/
-    or ipc/ has uncommitted changes (the library may be edited while the bench runs)."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout
-    try:
-        head = git("rev-parse", "--short", "HEAD").strip()
-        diff = git("diff", "HEAD", "--", *LIBRARY)
-        untracked = git("ls-files", "--others", "--exclude-standard", "--", *LIBRARY)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    if not diff and not untracked:
-        return head
-    return f"{head}+dirty.{hashlib.sha1((diff + untracked).encode()).hexdigest()[:8]}"
-
-
-def _distribution_version(name: str) -> str | None:
-    """An installed distribution's version (for packages without ``__version__``)."""
-    from importlib import metadata
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f
-                         if line.startswith("model name")), None)
-    except OSError:
-        return None
+DOCS = ROOT / "docs"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -111,7 +45,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="fewer sizes and repeats: a smoke run of a few minutes")
     parser.add_argument("--out", type=Path, default=Path("bench-results"),
-                        help="where results.json and plot.png go (default: bench-results/)")
+                        help="where results.json, benchmarks.md and img/ go "
+                             "(default: bench-results/)")
+    parser.add_argument("--write-docs", action=argparse.BooleanOptionalAction, default=None,
+                        help="also write docs/benchmarks.md and docs/img/ (default: only "
+                             "for a full run, not for --quick or --render)")
+    parser.add_argument("--render", type=Path, metavar="RESULTS_JSON",
+                        help="measure nothing: write the page and plots from this results.json")
     return parser.parse_args(argv)
 
 
@@ -122,7 +62,7 @@ def section_plan(settings: bench_core.Settings, quick: bool,
         ("threshold_sweep", partial(bench_threshold.run, settings)),
         ("scale", partial(bench_scale.run, quick)),
         ("pool_map", partial(bench_pool.run, 1 if quick else 3, have_joblib)),
-        ("fanin", partial(bench_fanin.run, quick)),
+        ("channels", partial(bench_channels.run, quick)),
         ("loader", partial(bench_loader.run, quick)),
         ("torch_loader", partial(bench_torch_loader.run, quick)),
         ("cli", partial(bench_cli.run, 3 if quick else 5)),
@@ -162,27 +102,58 @@ def print_library(machine: dict) -> None:
               "run (processes started later ran the newer code)")
 
 
-def save(out: Path, machine: dict, results: list[dict], targets: list[dict],
-         counters: dict | None, sections: list[Section]) -> None:
-    """Write results.json (every section) and, when matplotlib imports, plot.png."""
-    out.mkdir(parents=True, exist_ok=True)
+def results_json(machine: dict, results: list[dict], targets: list[dict],
+                 counters: dict | None, sections: list[Section], command: str) -> dict:
+    """Everything the run measured, as results.json keeps it (and the page reads it)."""
     rows = [bench_core.without_info(r) for r in results]
-    _report.write_json(out / "results.json", machine=machine, results=rows, targets=targets,
-                       recycling_256mb=counters,
-                       sections={s.key: {"title": s.title, **s.data} for s in sections})
-    title = (f"shmtensor {st.__version__}: time per array "
-             f"({machine['cpus']} CPUs, Python {machine['python']})")
-    if _report.plot(out / "plot.png", rows, title):
-        pool = next((s for s in sections if s.key == "pool_map" and "rows" in s.data), None)
-        if pool is not None:
-            _report.plot_bars(out / "pool_map.png", pool.data["rows"], pool.title)
-        print(f"\nwrote {out / 'results.json'}, {out / 'plot.png'} and {out / 'pool_map.png'}")
-    else:
-        print(f"\nwrote {out / 'results.json'} (no plot: matplotlib is not installed)")
+    core = {"title": "core: arrays through a queue, per array (spawn, producer in a child)",
+            "table": _report.format_table(rows)}
+    return {
+        "command": command, "machine": machine, "results": rows, "targets": targets,
+        "recycling_256mb": counters,
+        "summary": _summary.core(rows, targets)
+        + [r for s in sections
+           for r in s.summary or _summary.for_section(s.key, s.data, s.targets)],
+        "sections": {"core": core,
+                     **{s.key: {"title": s.title, "table": s.table, **s.data}
+                        for s in sections}},
+    }
+
+
+def plots(results: dict, img: Path) -> list[str]:
+    """Draw the plots from results.json into ``img``; the names drawn (none without
+    matplotlib)."""
+    img.mkdir(parents=True, exist_ok=True)
+    m = results["machine"]
+    title = (f"shmtensor {m['shmtensor']}: time per array "
+             f"({m['cpus']} CPUs, Python {m['python']})")
+    if not _report.plot(img / "core_by_size.png", results["results"], title):
+        return []
+    drawn = ["core_by_size.png"]
+    pool = results["sections"].get("pool_map", {})
+    if pool.get("rows"):
+        _report.plot_bars(img / "pool_map.png", pool["rows"], pool["title"])
+        drawn.append("pool_map.png")
+    return drawn
+
+
+def write_page(results: dict, out: Path, write_docs: bool) -> None:
+    """``out/benchmarks.md`` and ``out/img/``; with ``write_docs``, docs/ too."""
+    results["plots"] = plots(results, out / "img")
+    page = _page.render(results)
+    (out / "benchmarks.md").write_text(page)
+    print(f"\nwrote {out / 'benchmarks.md'} and {out / 'img'}/ "
+          f"({', '.join(results['plots']) or 'no plots: matplotlib is not installed'})")
+    if write_docs:
+        for name in results["plots"]:
+            (DOCS / "img").mkdir(exist_ok=True)
+            shutil.copyfile(out / "img" / name, DOCS / "img" / name)
+        (DOCS / "benchmarks.md").write_text(page)
+        print(f"wrote {DOCS / 'benchmarks.md'} and its plots")
 
 
 def warn_about_machine(machine: dict) -> None:
-    for module in ("torch", "joblib", "ray", "loky", "mpire", "grain"):
+    for module in _machine.PEERS:
         if machine[module] is None:
             print(f"{module} is not importable: its rows are skipped", file=sys.stderr)
     if machine["load_average_at_start"] > 0.5:
@@ -190,21 +161,22 @@ def warn_about_machine(machine: dict) -> None:
               "on this machine skews the numbers", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    machine = machine_info(args.quick)
+def measure(args: argparse.Namespace, command: str) -> dict:
+    machine = _machine.machine_info(args.quick)
     warn_about_machine(machine)
     started = time.monotonic()
     print("measuring (scenario, size, peer, per array):", file=sys.stderr)
     settings = bench_core.QUICK if args.quick else bench_core.FULL
     have_torch, have_joblib = machine["torch"] is not None, machine["joblib"] is not None
-    results = bench_core.run_all(settings, have_torch, have_joblib)
-    targets = bench_core.evaluate_targets(results)
-    counters = bench_core.recycling(results)
-    sections = [run_section(key, measure)
-                for key, measure in section_plan(settings, args.quick, have_joblib)]
+    with _machine.Monitor() as monitor:
+        results = bench_core.run_all(settings, have_torch, have_joblib)
+        targets = bench_core.evaluate_targets(results)
+        counters = bench_core.recycling(results)
+        sections = [run_section(key, run)
+                    for key, run in section_plan(settings, args.quick, have_joblib)]
+    machine.update(monitor.report())
     machine["load_average_at_end"] = os.getloadavg()[0]
-    machine["library_at_end"] = library_version()
+    machine["library_at_end"] = _machine.library_version()
     machine["wall_s"] = round(time.monotonic() - started, 1)
 
     bench_core.print_report(settings, machine, results, targets, counters)
@@ -212,11 +184,27 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + section.render())
     all_targets = targets + [t for s in sections for t in s.targets]
     print_summary(all_targets)
-    print(f"\nwall time {machine['wall_s']:.0f} s; load average "
-          f"{machine['load_average_at_start']:.2f} at start, "
-          f"{machine['load_average_at_end']:.2f} at end")
+    print(f"\nwall time {machine['wall_s']:.0f} s; load average {machine['load']['min']:.2f}"
+          f"-{machine['load']['max']:.2f}; other processes kept {machine['others_cpus']:.2f} "
+          "CPUs busy")
     print_library(machine)
-    save(args.out, machine, results, all_targets, counters, sections)
+    return results_json(machine, results, all_targets, counters, sections, command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.render is not None:
+        results = json.loads(args.render.read_text())
+    else:
+        results = measure(args, shlex.join(["scripts/bench", *argv]))
+        (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.out / 'results.json'}")
+    write_docs = args.write_docs
+    if write_docs is None:
+        write_docs = args.render is None and not args.quick
+    write_page(results, args.out, write_docs)
     return 0
 
 
