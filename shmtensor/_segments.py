@@ -14,8 +14,13 @@ This module owns every piece of segment state, under one lock (``_lock``):
   their strategy (:func:`carve`): one segment holds many arrays, so fds, mappings and lease
   slots scale with slabs, not arrays, in producer and consumer alike.  A slab is one
   segment with one lease: it is reused when every array in it is released everywhere.
-  A new slab is twice the last when no earlier one was free to reuse (2 MiB up to
-  64 MiB), so 100,000 live small arrays take a handful of slabs.
+  The next slab is a free one, else a new one of half the slab bytes still held (2 MiB
+  up to 64 MiB): 100,000 live small arrays take a dozen slabs, and a stream of dropped
+  ones a few small ones (:func:`_next_slab`).
+* **Room.**  A reservation that does not fit (:mod:`shmtensor.ipc.shm_space`: the memory
+  cgroup, the machine, /dev/shm) first gives back everything idle (:func:`give_back`);
+  under a cgroup limit, idle memory is kept only while the cgroup is under half its limit
+  (:func:`_idle_budget`).
 * **The receive cache**: segments attached from other processes stay mapped while idle,
   so one that comes back (recycled by its creator, or sent again) costs no new mapping;
   idle ones are evicted by age, count and total size.
@@ -28,7 +33,8 @@ table's lock is held only inside :mod:`shmtensor.ipc.ofd_lease`, which waits on 
 lock) and puts the segment on ``_died``, a ``queue.SimpleQueue`` (safe in finalizers).
 The next call that takes ``_lock`` moves what died into the idle lists (:func:`_settle`);
 the sweeper thread does it too while anything is mapped, so a quiet process still gets
-its idle segments trimmed.  (Taking ``_lock`` in the finalizer could deadlock: a GC pass
+its idle segments trimmed; it is stopped before a fork and started again after it in the
+parent, so no thread of ours runs across a fork.  (Taking ``_lock`` in the finalizer could deadlock: a GC pass
 inside the lease table's lock on one thread, ``_lock`` held by another that waits for the
 lease table.)
 """
@@ -920,6 +926,9 @@ os.register_at_fork(before=_stop_sweeper_before_fork, after_in_parent=_after_for
 
 @atexit.register
 def _at_exit() -> None:
+    sweeper = _sweeper
+    if sweeper is not None:
+        sweeper[1].set()  # its last pass ends before the modules are torn down
     try:
         trim(force=True)
     except Exception:  # never fail interpreter shutdown over a cache
