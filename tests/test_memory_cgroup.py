@@ -3,9 +3,11 @@ so it is given back as the cgroup nears its limit, and a reservation the cgroup 
 is a ShmSpaceError, not an OOM kill (issue 26, item 4)."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -29,6 +31,22 @@ needs_cgroup = pytest.mark.skipif(_can_make_v1_cgroup() is not None,
                                   reason=str(_can_make_v1_cgroup()))
 
 
+def _empty(cg: str, grace: float = 10.0) -> None:
+    """Let the processes left in ``cg`` finish (a resource tracker unlinks its semaphores
+    as it leaves), then kill what remains: only ours, the cgroup is this test's."""
+    deadline = time.monotonic() + grace
+    while True:
+        with open(os.path.join(cg, "cgroup.procs")) as f:
+            pids = [int(p) for p in f.read().split()]
+        if not pids:
+            return
+        if time.monotonic() > deadline:
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            return
+        time.sleep(0.05)
+
+
 def _in_cgroup(limit: int, code: str) -> tuple[subprocess.CompletedProcess, int]:
     """Run ``code`` in a fresh interpreter inside a new v1 memory cgroup of ``limit`` bytes;
     returns the result and the cgroup's OOM-kill count.  Every process left in the cgroup
@@ -43,9 +61,7 @@ def _in_cgroup(limit: int, code: str) -> tuple[subprocess.CompletedProcess, int]
             r = subprocess.run([sys.executable, "-c", boot + textwrap.dedent(code)],
                                capture_output=True, text=True, timeout=TIMEOUT)
         finally:
-            with open(os.path.join(cg, "cgroup.procs")) as f:
-                for pid in f.read().split():  # only ours: the cgroup is this test's
-                    os.kill(int(pid), 9)
+            _empty(cg)
         with open(os.path.join(cg, "memory.oom_control")) as f:
             kills = dict(line.split() for line in f).get("oom_kill", "0")
         return r, int(kills)
@@ -55,7 +71,6 @@ def _in_cgroup(limit: int, code: str) -> tuple[subprocess.CompletedProcess, int]
                 os.rmdir(cg)
                 break
             except OSError:  # the killed processes are still leaving
-                import time
                 time.sleep(0.1)
 
 
