@@ -38,7 +38,7 @@ SHM_DIR = "/dev/shm"
 HAVE_MEMFD = hasattr(os, "memfd_create")
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _POPULATE_FROM = 1 << 20
-_NAME = re.compile(PREFIX + r"_[0-9]+_[0-9a-f]+_[0-9]+")
+_NAME = re.compile(PREFIX + r"_[0-9]+_[0-9a-f]+_[0-9]+(?:-[0-9a-f]+)?")
 
 _tag: str | None = None
 
@@ -70,7 +70,12 @@ def process_tag() -> str:
     return _tag
 
 
-def segment_name(serial: int | str) -> str:
+def segment_name(serial: int | str, unguessable: bool = False) -> str:
+    """``shmtensor_<pid>_<token>_<serial>``.  ``unguessable`` (names made in /dev/shm, which
+    every local user can write) appends 32 random bits: a user who has seen one name cannot
+    make the next one first and so make this process's allocations fail."""
+    if unguessable:
+        serial = f"{serial}-{os.urandom(4).hex()}"
     return f"{PREFIX}_{process_tag()}_{serial}"
 
 

@@ -450,7 +450,7 @@ def _create_file(name: str, size: int, kind: str, slots: list[int],
 
 def _create(size: int, kind: str, table: ofd_lease.LeaseTable) -> Segment:
     slot = table.new_slot()
-    name = posix_shm.segment_name(slot)
+    name = posix_shm.segment_name(slot, unguessable=kind == FS)
     fd = _create_file(name, size, kind, [slot], table)
     try:
         seg = new_segment(name, kind, size, table.id, slot, own=True, fd=fd, populate=True)
@@ -585,7 +585,7 @@ def acquire_many(nbytes: int, kind: str, count: int) -> list[Segment]:
     cap = _capacity(nbytes)
     table = ofd_lease.own_table()
     slots = [table.new_slot() for _ in range(count)]
-    name = posix_shm.segment_name(slots[0])
+    name = posix_shm.segment_name(slots[0], unguessable=kind == FS)
     size = cap * count
     with _lock:
         fd = _create_file(name, size, kind, slots, table)
