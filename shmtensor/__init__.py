@@ -35,7 +35,7 @@ _LAZY = {name: "._alloc" for name in ("empty", "zeros", "ones", "full", "empty_l
 _LAZY["BatchPool"] = "._batch_pool"
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'shmtensor' has no attribute {name!r}")

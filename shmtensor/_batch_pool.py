@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from shmtensor.ipc import ofd_lease, procfs
 
@@ -54,7 +57,8 @@ class BatchPool:
         >>> q.close()
     """
 
-    def __init__(self, shape, dtype=np.float32, slots: int = 4, order: str = "C") -> None:
+    def __init__(self, shape: int | Sequence[int], dtype: DTypeLike = np.float32,
+                 slots: int = 4, order: Literal["C", "F"] = "C") -> None:
         from ._alloc import _shape
         if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)):
             raise TypeError(f"slots is a number of batch slots, an int >= 1; got "
@@ -174,7 +178,7 @@ class BatchPool:
     def __enter__(self) -> "BatchPool":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

@@ -59,7 +59,7 @@ FLAT = {
 }
 
 
-class DebugInfo(dict):  # type: ignore[type-arg]
+class DebugInfo(dict[str, Any]):
     """:func:`shmtensor.debug_info`'s dict: one dict per subsystem (``info["segments"]
     ["created"]``).  The flat names of earlier versions still read the same numbers
     (``info["segments_created"]``, ``info.get("cuda_opened", 0)``, ``"lease_tables" in
@@ -79,7 +79,7 @@ class DebugInfo(dict):  # type: ignore[type-arg]
             raise KeyError(key)
         return self[where[0]][where[1]]
 
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, key: str, default: Any = None) -> Any:
         try:
             return self[key]
         except KeyError:
@@ -92,7 +92,7 @@ class DebugInfo(dict):  # type: ignore[type-arg]
         return where is not None and where[1] in dict.get(self, where[0], {})
 
 
-def grouped(flat: dict[str, int], more: dict[str, dict[str, Any]]) -> DebugInfo:
+def grouped(flat: dict[str, int], more: dict[str, Any]) -> DebugInfo:
     """A :class:`DebugInfo` of the flat counters, grouped (see ``FLAT``), and ``more``."""
     info = DebugInfo()
     for key, value in flat.items():

@@ -26,9 +26,13 @@ from __future__ import annotations
 import operator
 import os
 import re
+from collections.abc import Callable
+from typing import SupportsIndex, TypeVar, cast
 
 from shmtensor.ipc.posix_shm import HAVE_MEMFD
 from shmtensor.ipc.scm_rights import SpinWait
+
+_T = TypeVar("_T")
 
 FILE_DESCRIPTOR = "file_descriptor"
 FILE_SYSTEM = "file_system"
@@ -98,7 +102,7 @@ def parse_size(text: str, where: str = "") -> int:
     """Bytes from ``81920``, ``80k``, ``80KiB``, ``1M``, ``1MiB``, ``1G``, ``1GiB``."""
     m = _SIZE.fullmatch(text)
     factor = _SUFFIXES.get(m.group(2).lower()) if m else None
-    if factor is None:
+    if m is None or factor is None:
         raise ValueError(f"{where}{text!r} is not a size: write {_SIZE_FORMS} "
                          f"(1k = 1024 bytes; the default is {DEFAULT_INLINE_THRESHOLD // 1024}k)")
     return _check_threshold(int(m.group(1)) * factor, where)
@@ -127,7 +131,7 @@ def _threshold_from_env() -> int:
             else DEFAULT_INLINE_THRESHOLD)
 
 
-def _from_env(name: str, read, default):
+def _from_env(name: str, read: Callable[[], _T], default: _T) -> _T:
     """The setting ``name`` from the environment, or ``default`` with its error kept in
     ``_env_errors`` for the calls that need a setting to raise."""
     try:
@@ -216,12 +220,12 @@ def set_sharing_strategy(strategy: str) -> None:
     _env_errors.pop("strategy", None)
 
 
-def _whole(value, what: str, unit: str, fix: str) -> int:
+def _whole(value: object, what: str, unit: str, fix: str) -> int:
     """``value`` as an int (numpy's integers too); a bool or a non-integer is refused."""
     if isinstance(value, bool):
         raise TypeError(f"{what} is a number of {unit}, not a bool ({value!r}): {fix}")
     try:
-        return operator.index(value)
+        return operator.index(cast(SupportsIndex, value))  # or TypeError, below
     except TypeError:
         raise TypeError(f"{what} is an int number of {unit}, got "
                         f"{type(value).__name__} {value!r}") from None

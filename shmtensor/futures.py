@@ -33,7 +33,7 @@ class _CallQueue(_ShmQueue, _cfp._SafeQueue):
     _keep_objects = True       # a send that fails must find its call item's future
     _raise_later = False       # ... and is reported there, not by the next put()
 
-    def put(self, obj, block: bool = True, timeout: float | None = None) -> None:
+    def put(self, obj: object, block: bool = True, timeout: float | None = None) -> None:
         try:
             super().put(obj, block, timeout)
         except (OSError, MemoryError) as e:  # no fd or shared memory for an argument
@@ -53,13 +53,14 @@ def adopt_call_queue(queue: object) -> bool:
         kind of queue, or was used or closed already (it is then left as it was)."""
     if type(queue) is _CallQueue:
         return True
-    if type(queue) is not _cfp._SafeQueue or queue._thread is not None or queue._closed:
+    q: Any = queue  # the stdlib queue's private attributes, which typeshed does not list
+    if type(queue) is not _cfp._SafeQueue or q._thread is not None or q._closed:
         return False
-    queue.__class__ = _CallQueue
-    queue._reader.close()
-    queue._writer.close()
-    queue._reader, queue._writer = Pipe(duplex=False)
-    queue._reset()
+    q.__class__ = _CallQueue
+    q._reader.close()
+    q._writer.close()
+    q._reader, q._writer = Pipe(duplex=False)
+    q._reset()
     return True
 
 
@@ -98,4 +99,4 @@ class ProcessPoolExecutor(_cfp.ProcessPoolExecutor):
             mp_context = get_context("spawn" if max_tasks_per_child is not None else None)
         more = {} if max_tasks_per_child is None else {"max_tasks_per_child": max_tasks_per_child}
         super().__init__(max_workers, mp_context, initializer, initargs, **more)
-        adopt_call_queue(self._call_queue)
+        adopt_call_queue(vars(self)["_call_queue"])  # private: typeshed does not list it

@@ -14,8 +14,9 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from types import TracebackType
 
-import psutil
+import psutil  # type: ignore[import-untyped]  # no stubs in the package's dependencies
 
 from shmtensor.ipc import cuda_ipc, janitor, ofd_lease, posix_shm, procfs
 
@@ -43,7 +44,7 @@ class Leak:
 
     kind: str          # "segment", "fd" or "process"
     what: str
-    detail: dict = field(default_factory=dict)
+    detail: dict[str, object] = field(default_factory=dict)
 
     def __str__(self) -> str:
         extra = ", ".join(f"{k}={v}" for k, v in self.detail.items())
@@ -53,7 +54,8 @@ class Leak:
 def _stdlib_helpers() -> tuple[set[int], set[int]]:
     """Pids and fds of multiprocessing's own per-process helpers (resource tracker,
     fork server): started once, kept for the process's lifetime, not leaks."""
-    pids, fds = set(), set()
+    pids: set[int | None] = set()
+    fds: set[int | None] = set()
     try:
         from multiprocessing import forkserver, resource_tracker
         rt = resource_tracker._resource_tracker
@@ -64,7 +66,7 @@ def _stdlib_helpers() -> tuple[set[int], set[int]]:
         fds.add(getattr(fs, "_forkserver_alive_fd", None))
     except Exception:  # private attributes moved: report them rather than crash
         pass
-    return pids - {None}, fds - {None}
+    return {p for p in pids if p is not None}, {f for f in fds if f is not None}
 
 
 # fds that processes keep for their lifetime and that no test can close: /proc reads in
@@ -154,7 +156,8 @@ class leak_checker:
         uses = procfs.scan()
         for name, size in procfs.named_segments().items():
             parsed = posix_shm.parse_name(name)
-            if name in self._named_before or parsed[0] not in self.checked_pids:
+            if (parsed is None or name in self._named_before
+                    or parsed[0] not in self.checked_pids):
                 continue
             use = uses.get(name)
             leaks.append(Leak("segment", f"/dev/shm/{name}", {
@@ -162,7 +165,8 @@ class leak_checker:
                 "mapped_by": sorted(use.mapped_by) if use else []}))
         for name, use in uses.items():
             parsed = posix_shm.parse_name(name)
-            if name.endswith("lease") or parsed[0] not in self.checked_pids or parsed[0] == me:
+            if (parsed is None or name.endswith("lease") or parsed[0] not in self.checked_pids
+                    or parsed[0] == me):
                 continue
             others = (use.mapped_by | use.fd_held_by) - {parsed[0]}
             if others and parsed[0] not in others and not psutil.pid_exists(parsed[0]):
@@ -185,9 +189,10 @@ class leak_checker:
                 leaks.append(Leak("fd", str(fd), {"target": target}))
         return leaks
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc_type is not None:
-            return False
+            return
         deadline = time.monotonic() + self.timeout
         delay = 0.02
         while True:
@@ -198,4 +203,3 @@ class leak_checker:
             delay = min(delay * 2, 0.5)
         if found:
             raise LeakError(found)
-        return False

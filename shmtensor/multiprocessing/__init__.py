@@ -21,8 +21,10 @@ from multiprocessing import __all__ as _mp_all
 from .._strategy import (get_all_sharing_strategies, get_sharing_strategy,
                          set_sharing_strategy)
 from . import _managers  # noqa: F401 - registers the "shmtensor" serializer
-from ._context import (ForkContext, ForkServerContext, Process, SpawnContext,
-                       get_context)
+from . import _context
+# the drop-in's own objects over the stdlib's of the same names (so typed differently)
+from ._context import (ForkContext, ForkServerContext, SpawnContext)
+from ._context import Process, get_context  # type: ignore[assignment]
 from .._reductions import RemoteError
 from ._spawn import (ProcessContext, ProcessException, ProcessExitedException,
                      ProcessRaisedException, ProcessTimeoutError, spawn, start_processes)
@@ -57,7 +59,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-def Queue(maxsize: int = 0) -> _queues.Queue:
+def Queue(maxsize: int = 0) -> _queues.Queue:  # type: ignore[no-redef]
     """A ``multiprocessing.Queue`` of the default context whose messages carry arrays
     through shared memory: a shared array crosses as a handle, a plain one is copied once
     (inline under the threshold).
@@ -78,38 +80,39 @@ def Queue(maxsize: int = 0) -> _queues.Queue:
         [1.0, 1.0, 1.0, 1.0]
         >>> q.close(); q.join_thread()
     """
-    return get_context().Queue(maxsize)
+    return _context.get_context().Queue(maxsize)
 
 
-def JoinableQueue(maxsize: int = 0) -> _queues.JoinableQueue:
+def JoinableQueue(maxsize: int = 0) -> _queues.JoinableQueue:  # type: ignore[no-redef]
     """A :func:`Queue` with ``task_done()`` and ``join()``, as
     ``multiprocessing.JoinableQueue``.
 
     :param maxsize: the most items it holds before ``put`` blocks; 0 has no limit.
     :returns: the queue."""
-    return get_context().JoinableQueue(maxsize)
+    return _context.get_context().JoinableQueue(maxsize)
 
 
-def SimpleQueue() -> _queues.SimpleQueue:
+def SimpleQueue() -> _queues.SimpleQueue:  # type: ignore[no-redef]
     """A ``multiprocessing.SimpleQueue`` (no feeder thread, ``put`` sends at once) whose
     messages carry arrays through shared memory.
 
     :returns: the queue (``put``, ``get``, ``empty``, ``close``)."""
-    return get_context().SimpleQueue()
+    return _context.get_context().SimpleQueue()
 
 
-def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
+def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:  # type: ignore[no-redef]
     """A pair of connected :class:`multiprocessing.connection.Connection` s whose
     ``send``/``recv`` carry arrays through shared memory, as ``multiprocessing.Pipe``.
 
     :param duplex: both ends send and receive (True, the default); with False the first
         end only receives and the second only sends.
     :returns: ``(conn1, conn2)``."""
-    return get_context().Pipe(duplex)
+    return _context.get_context().Pipe(duplex)
 
 
-def Pool(processes: int | None = None, initializer: Callable[..., object] | None = None,
-         initargs: Iterable[Any] = (), maxtasksperchild: int | None = None) -> _pool.Pool:
+def Pool(  # type: ignore[no-redef]
+        processes: int | None = None, initializer: Callable[..., object] | None = None,
+        initargs: Iterable[Any] = (), maxtasksperchild: int | None = None) -> _pool.Pool:
     """A ``multiprocessing.Pool`` of the default context whose tasks and results carry
     arrays through shared memory, and that fails fast when a worker dies.
 
@@ -132,15 +135,15 @@ def Pool(processes: int | None = None, initializer: Callable[..., object] | None
         ...     pool.map(abs, [-1, -2, 3])
         [1, 2, 3]
     """
-    return get_context().Pool(processes, initializer, initargs, maxtasksperchild)
+    return _context.get_context().Pool(processes, initializer, initargs, maxtasksperchild)
 
 
-def Manager() -> _managers.SyncManager:
+def Manager() -> _managers.SyncManager:  # type: ignore[no-redef]
     """A started ``multiprocessing.managers.SyncManager`` whose connections carry arrays
     through shared memory (over AF_UNIX; over TCP they are pickled by value).
 
     :returns: the manager; ``shutdown()`` it, or use it as a context manager."""
-    return get_context().Manager()
+    return _context.get_context().Manager()
 
 
 del _mp

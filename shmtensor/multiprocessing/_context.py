@@ -14,7 +14,7 @@ import multiprocessing.context as _mpctx
 import os
 import sys
 from multiprocessing import reduction
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar, SupportsIndex
 
 from .. import _reductions, _registry, _strategy, _wire
 from .._connection import Pipe as _Pipe
@@ -23,12 +23,17 @@ from .._connection import Connection
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
-    from typing import Any
 
     from . import _managers, _pool
 
+    # what the mixins below are mixed into, for the type checker
+    _ProcessBase = multiprocessing.process.BaseProcess
+    _ContextBase = _mpctx.BaseContext
+else:
+    _ProcessBase = _ContextBase = object
 
-def _forget_new_fds(popen):
+
+def _forget_new_fds(popen: object) -> Callable[[], None]:
     """A function that drops the fds registered with ``popen`` from now on (the stdlib's
     spawn and forkserver popens list them in ``_fds`` as ``reduction.DupFd`` is called): a
     spawned child must get each fd once (spawn refuses a repeated one)."""
@@ -60,11 +65,12 @@ class _ParentSettings:
 
     __slots__ = ()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., None], tuple[object, ...]]:
         return _apply_settings, _strategy.parent_settings()
 
 
-def _rebuild_process(settings, data: bytes, dupfds: list, index: list[int]):
+def _rebuild_process(settings: None, data: bytes, dupfds: list[Any],
+                     index: list[int]) -> _ShmProcess:
     """In a spawned child: the Process, loaded from shmtensor's pickle of it.  ``settings``
     (the parent's, see :class:`_ParentSettings`) were applied as they were unpickled.
     ``dupfds`` are the message's distinct fds and ``index`` places them: each repeat gets
@@ -74,15 +80,19 @@ def _rebuild_process(settings, data: bytes, dupfds: list, index: list[int]):
     for i in index:
         fds.append(os.dup(got[i]) if i in seen else got[i])
         seen.add(i)
-    return _reductions.loads(data, fds)
+    process: _ShmProcess = _reductions.loads(data, fds)
+    return process
 
 
-class _ShmProcess:
+class _ShmProcess(_ProcessBase):
     """Sent to a spawn or forkserver child whole through shmtensor's pickler: its target,
     arguments and every attribute of a subclass, so a shared array kept on the process is
     the same memory in the child (fork needs nothing: the child has the parent's)."""
 
-    def __reduce_ex__(self, protocol):
+    _target: Any  # set by the stdlib's BaseProcess (annotations for the checker)
+    _args: tuple[Any, ...]
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
         popen = _mpctx.get_spawning_popen()
         if popen is None or getattr(_wire.current, "send", None) is not None:
             # not being spawned, or already inside shmtensor's pickler: the plain reduction
@@ -102,11 +112,11 @@ class _ShmProcess:
                                   [reduction.DupFd(fd) for fd in distinct],
                                   [distinct.index(fd) for fd in fds])
 
-    def _bootstrap(self, *args, **kwargs):
+    def _bootstrap(self, *args: Any, **kwargs: Any) -> int:
         # In the child, before the target runs: adapters of libraries imported by now (torch,
         # while unpickling a DataLoader worker) are installed before the first batch is made
         _registry.install_pending()
-        return super()._bootstrap(*args, **kwargs)
+        return super()._bootstrap(*args, **kwargs)  # type: ignore[misc,no-any-return]
 
     def start(self) -> None:
         # A concurrent.futures worker: its executor's call queue, not yet used, becomes
@@ -137,8 +147,12 @@ class ForkServerProcess(_ShmProcess, _mpctx.ForkServerProcess):
     pass
 
 
-class _ShmContext:
+class _ShmContext(_ContextBase):
     """Factories of shmtensor's channels on top of a stdlib context."""
+
+    # set by the stdlib context, and by each context below (annotations for the checker)
+    _name: str
+    Process: ClassVar[type[Any]]
 
     def Queue(self, maxsize: int = 0) -> _queues.Queue:
         """A queue of this context (see :func:`shmtensor.multiprocessing.Queue`)."""
@@ -174,7 +188,8 @@ class _ShmContext:
         m.start()
         return m
 
-    def get_context(self, method: str | None = None) -> _ShmContext:
+    def get_context(  # type: ignore[override]  # a shmtensor context, not the stdlib's
+            self, method: str | None = None) -> _ShmContext:
         """This context (``method`` None), else :func:`get_context` of ``method``."""
         return self if method is None else get_context(method)
 
@@ -257,9 +272,9 @@ class Process(_ShmProcess, multiprocessing.process.BaseProcess):
     _start_method = None
 
     @staticmethod
-    def _Popen(process_obj):
+    def _Popen(process_obj: multiprocessing.process.BaseProcess) -> Any:
         return get_context().Process._Popen(process_obj)
 
     @staticmethod
-    def _after_fork():
-        return get_context().Process._after_fork()
+    def _after_fork() -> None:
+        get_context().Process._after_fork()

@@ -15,6 +15,8 @@ unpickler imports this module, which registers the name, before it rebuilds the 
 from __future__ import annotations
 
 from multiprocessing import connection as _mpc
+from multiprocessing.context import BaseContext
+from typing import Any
 from multiprocessing import managers as _mpm
 
 from .._connection import Connection
@@ -68,7 +70,9 @@ _mpm.listener_client.setdefault(SERIALIZER, (_Listener, _Client))
 class SyncManager(_mpm.SyncManager):
     """``multiprocessing.managers.SyncManager`` with shmtensor's connections."""
 
-    def __init__(self, address=None, authkey=None, serializer=SERIALIZER, ctx=None, **kwargs):
+    def __init__(self, address: Any = None, authkey: bytes | None = None,
+                 serializer: str = SERIALIZER, ctx: BaseContext | None = None,
+                 **kwargs: Any) -> None:
         if serializer == SERIALIZER:
             serializer = SERIALIZER  # the name that pickles with its registration
         super().__init__(address, authkey, serializer, ctx, **kwargs)

@@ -22,6 +22,9 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterable
+from multiprocessing.process import BaseProcess
+from typing import Any, NoReturn
 
 __all__ = ["spawn", "start_processes", "ProcessContext", "ProcessException",
            "ProcessRaisedException", "ProcessExitedException", "ProcessTimeoutError"]
@@ -39,7 +42,7 @@ class ProcessException(Exception):
         super().__init__(msg)
         self.msg, self.error_index, self.pid = msg, error_index, pid
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[ProcessException], tuple[object, ...]]:
         return type(self), (self.msg, self.error_index, self.pid)
 
 
@@ -58,7 +61,7 @@ class ProcessExitedException(ProcessException):
         super().__init__(msg, error_index, error_pid)
         self.exit_code, self.signal_name = exit_code, signal_name
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[ProcessException], tuple[object, ...]]:
         return type(self), (self.msg, self.error_index, self.pid, self.exit_code,
                             self.signal_name)
 
@@ -72,7 +75,7 @@ class ProcessTimeoutError(ProcessException, TimeoutError):
         super().__init__(msg, ranks[0], pids[0])
         self.ranks, self.pids = list(ranks), list(pids)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[ProcessException], tuple[object, ...]]:
         return type(self), (self.msg, self.ranks, self.pids)
 
 
@@ -98,7 +101,7 @@ def _die_with_parent(use_pdeathsig: bool) -> None:
     threading.Thread(target=watch, daemon=True, name="shmtensor-parent-watch").start()
 
 
-def _wrap(fn, rank: int, args: tuple, error_file: str, use_pdeathsig: bool) -> None:
+def _wrap(fn: Callable[..., object], rank: int, args: tuple[Any, ...], error_file: str, use_pdeathsig: bool) -> None:
     _die_with_parent(use_pdeathsig)
     try:
         fn(rank, *args)
@@ -116,7 +119,7 @@ class ProcessContext:
     Call :meth:`join` until it returns True; :attr:`processes` are the children's
     ``Process`` objects, in rank order."""
 
-    def __init__(self, processes, error_files) -> None:
+    def __init__(self, processes: list[BaseProcess], error_files: list[str]) -> None:
         self.processes = processes
         self.error_files = error_files
         self.sentinels = {p.sentinel: rank for rank, p in enumerate(processes)}
@@ -152,7 +155,7 @@ class ProcessContext:
         self._stop_siblings(grace_period)
         self._raise(failed)
 
-    def _stop_hung(self, timeout: float, grace_period: float | None):
+    def _stop_hung(self, timeout: float, grace_period: float | None) -> None:
         """``timeout`` expired: stop the ranks still running and raise, naming them."""
         hung = [rank for rank in sorted(self.sentinels.values())
                 if self.processes[rank].is_alive()]
@@ -184,7 +187,7 @@ class ProcessContext:
                 p.join()
         self.sentinels.clear()
 
-    def _raise(self, rank: int):
+    def _raise(self, rank: int) -> NoReturn:
         proc = self.processes[rank]
         path = self.error_files[rank]
         if os.path.exists(path) and os.path.getsize(path):
@@ -214,8 +217,9 @@ class ProcessContext:
                 pass
 
 
-def start_processes(fn, args=(), nprocs: int = 1, join: bool = True, daemon: bool = False,
-                    start_method: str = "spawn", *, timeout: float | None = None):
+def start_processes(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1,
+                    join: bool = True, daemon: bool = False, start_method: str = "spawn", *,
+                    timeout: float | None = None) -> ProcessContext | None:
     """:func:`spawn` under any start method (``"spawn"`` by default, ``"fork"``,
     ``"forkserver"``); the same arguments, returns and errors.
 
@@ -244,17 +248,19 @@ def start_processes(fn, args=(), nprocs: int = 1, join: bool = True, daemon: boo
     context = ProcessContext(processes, error_files)
     if not join:
         return context
-    deadline = None if timeout is None else time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = None if timeout is None else start + timeout
     while not context.join(None if deadline is None
                            else max(0.0, deadline - time.monotonic())):
-        if deadline is not None and time.monotonic() >= deadline:
+        if timeout is not None and time.monotonic() >= start + timeout:
             context._stop_hung(timeout, grace_period=5.0)
             break
     return None
 
 
-def spawn(fn, args=(), nprocs: int = 1, join: bool = True, daemon: bool = False,
-          start_method: str = "spawn", *, timeout: float | None = None):
+def spawn(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1,
+          join: bool = True, daemon: bool = False, start_method: str = "spawn", *,
+          timeout: float | None = None) -> ProcessContext | None:
     """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes (``rank`` = 0..nprocs-1),
     as ``torch.multiprocessing.spawn`` does, and fail fast.
 
