@@ -43,9 +43,27 @@ def _dtype(dtype) -> np.dtype:
 _dtypes: dict = {}  # dtype argument -> checked np.dtype, for the hashable common ones
 
 
-def empty(shape, dtype=float, order: str = "C") -> np.ndarray:
-    """An uninitialised array in shared memory: carved from a slab when small, else a
-    segment of its own (a recycled one when one is free)."""
+def empty(shape: int | tuple[int, ...], dtype: object = float,
+          order: str = "C") -> np.ndarray:
+    """An uninitialised array in shared memory, like :func:`numpy.empty`.
+
+    The result is a plain ``numpy.ndarray`` whose memory is shared: it crosses every
+    shmtensor channel as a handle, and the receiver's writes are seen here.  Arrays up to
+    1 MiB are carved from a shared slab; larger ones get a segment of their own (a recycled
+    one when one is free).
+
+    :param shape: an int or a tuple of ints.
+    :param dtype: any numpy dtype without Python objects.
+    :param order: ``"C"`` or ``"F"``.
+    :raises ShmSpaceError: the memory cannot be reserved (a full /dev/shm, a memory
+        cgroup's limit); the message says how much is free and what to do.
+    :raises TypeError: an object dtype, or a shape that is not integers.
+
+    >>> import shmtensor
+    >>> a = shmtensor.empty((2, 3), dtype="int32")
+    >>> a.shape, shmtensor.is_shared(a)
+    ((2, 3), True)
+    """
     if type(shape) is int and shape >= 0:
         shape = (shape,)
     else:
@@ -70,19 +88,41 @@ def empty(shape, dtype=float, order: str = "C") -> np.ndarray:
     return np.ndarray(shape, dt, anchor, order=order)
 
 
-def zeros(shape, dtype=float, order: str = "C") -> np.ndarray:
+def zeros(shape: int | tuple[int, ...], dtype: object = float,
+          order: str = "C") -> np.ndarray:
+    """An array of zeros in shared memory, like :func:`numpy.zeros` (see :func:`empty`).
+
+    >>> import shmtensor
+    >>> shmtensor.zeros(3).tolist()
+    [0.0, 0.0, 0.0]
+    """
     a = empty(shape, dtype, order)
     a.fill(0)
     return a
 
 
-def ones(shape, dtype=float, order: str = "C") -> np.ndarray:
+def ones(shape: int | tuple[int, ...], dtype: object = float,
+         order: str = "C") -> np.ndarray:
+    """An array of ones in shared memory, like :func:`numpy.ones` (see :func:`empty`).
+
+    >>> import shmtensor
+    >>> shmtensor.ones(2, dtype="int8").tolist()
+    [1, 1]
+    """
     a = empty(shape, dtype, order)
     a.fill(1)
     return a
 
 
-def full(shape, fill_value, dtype=None, order: str = "C") -> np.ndarray:
+def full(shape: int | tuple[int, ...], fill_value: object, dtype: object = None,
+         order: str = "C") -> np.ndarray:
+    """An array filled with ``fill_value`` in shared memory, like :func:`numpy.full`; the
+    dtype is ``fill_value``'s when not given (see :func:`empty`).
+
+    >>> import shmtensor
+    >>> shmtensor.full(2, 7).tolist()
+    [7, 7]
+    """
     if dtype is None:
         dtype = np.array(fill_value).dtype
     a = empty(shape, dtype, order)
@@ -94,23 +134,44 @@ def _like_order(a: np.ndarray) -> str:
     return "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
 
 
-def empty_like(a, dtype=None) -> np.ndarray:
+def empty_like(a: object, dtype: object = None) -> np.ndarray:
+    """An uninitialised shared array with ``a``'s shape, dtype (unless given) and memory
+    order (C, or Fortran when ``a`` is only Fortran-contiguous).  See :func:`empty`."""
     a = np.asanyarray(a)
     return empty(a.shape, a.dtype if dtype is None else dtype, _like_order(a))
 
 
-def zeros_like(a, dtype=None) -> np.ndarray:
+def zeros_like(a: object, dtype: object = None) -> np.ndarray:
+    """A shared array of zeros shaped like ``a`` (see :func:`empty_like`).
+
+    >>> import numpy as np, shmtensor
+    >>> shmtensor.zeros_like(np.ones((2, 2), order="F")).flags.f_contiguous
+    True
+    """
     a = np.asanyarray(a)
     return zeros(a.shape, a.dtype if dtype is None else dtype, _like_order(a))
 
 
-def is_shared(a) -> bool:
-    """True when ``a``'s memory is a shmtensor segment (it crosses processes as a handle)."""
+def is_shared(a: object) -> bool:
+    """True when ``a`` is a numpy array (or a view of one) whose memory is a shmtensor
+    segment: it crosses processes as a handle, not as a copy.
+
+    >>> import numpy as np, shmtensor
+    >>> shmtensor.is_shared(shmtensor.zeros(4)[1:]), shmtensor.is_shared(np.zeros(4))
+    (True, False)
+    """
     return isinstance(a, np.ndarray) and _segments.segment_of(a) is not None
 
 
-def share_memory(a) -> np.ndarray:
-    """``a`` itself when already shared, else a copy of it in shared memory (same layout)."""
+def share_memory(a: object) -> np.ndarray:
+    """``a`` itself when it is already shared, else a copy of it in shared memory with the
+    same shape, dtype and memory order.  Copy once, then send it as often as needed.
+
+    >>> import numpy as np, shmtensor
+    >>> b = shmtensor.share_memory(np.arange(3))
+    >>> shmtensor.is_shared(b), shmtensor.share_memory(b) is b
+    (True, True)
+    """
     if is_shared(a):
         return a
     a = np.asarray(a)

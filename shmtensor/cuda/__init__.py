@@ -175,16 +175,22 @@ def zeros(shape, dtype=float, order="C"):
 
 
 def ones(shape, dtype=float, order="C"):
+    """A CuPy array of ones in shared device memory (current device); see :func:`empty`."""
     return _make(_device.cupy().ones, shape, dtype, order)
 
 
 def full(shape, fill_value, dtype=None, order="C"):
+    """A CuPy array filled with ``fill_value`` in shared device memory (current device)."""
     return _make(_device.cupy().full, shape, fill_value, dtype, order)
 
 
 def empty_like(a, dtype=None, order="K", shape=None):
+    """An uninitialised CuPy array like ``a`` (as :func:`cupy.empty_like`) in shared device
+    memory."""
     return _make(_device.cupy().empty_like, a, dtype, order, shape=shape)
 
 
 def zeros_like(a, dtype=None, order="K", shape=None):
+    """A CuPy array of zeros like ``a`` (as :func:`cupy.zeros_like`) in shared device
+    memory."""
     return _make(_device.cupy().zeros_like, a, dtype, order, shape=shape)

@@ -131,6 +131,7 @@ class IpcEvent:
         self.ptr, self.handle = ptr, handle
 
     def record(self, stream=None) -> None:
+        """Record the event on ``stream`` (default: the current stream)."""
         cp = _device.cupy()
         stream = stream or cp.cuda.get_current_stream()
         cp.cuda.runtime.eventRecord(self.ptr, stream.ptr)
@@ -142,9 +143,11 @@ class IpcEvent:
         cp.cuda.runtime.streamWaitEvent(stream.ptr, self.ptr)
 
     def synchronize(self) -> None:
+        """Block the host until the work the event marks is done."""
         _device.cupy().cuda.runtime.eventSynchronize(self.ptr)
 
     def query(self) -> bool:
+        """True when the work the event marks is done (the host does not wait)."""
         return _device.cupy().cuda.runtime.eventQuery(self.ptr) == 0
 
     def __reduce__(self):
