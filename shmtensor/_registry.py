@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
+from types import ModuleType
 
 _lock = threading.Lock()
 _reducers: dict[type, Callable] = {}           # type -> reduce(obj) -> (fn, args)
@@ -26,6 +27,7 @@ _lanes: dict[type, Callable] = {}              # type -> dumps(obj) -> (payload,
 _lane_kinds: dict[bytes, Callable] = {}        # 2-byte message kind -> loads(data, fds)
 _lazy: dict[str, list[Callable[[], None]]] = {}  # top-level module -> installers to run
 _stats: list[Callable[[], dict]] = []          # debug_info() counters of adapters
+_on_import: dict[str, list[Callable[[ModuleType], None]]] = {}  # module -> after_import hooks
 _installing = threading.local()  # .added: what the installer running in this thread registered
 version = 0
 
@@ -73,6 +75,59 @@ def register_lazy(module: str, install: Callable[[], None]) -> None:
     with _lock:
         _lazy.setdefault(module, []).append(install)
         version += 1
+
+
+def after_import(module: str, hook: Callable[[ModuleType], None]) -> None:
+    """Call ``hook(module)`` right after ``import module`` has run, before any code can use
+    the module (CuPy's events must learn their device before one is made): at once when it
+    is imported already.  One meta path finder serves every hook; a mere lookup
+    (``importlib.util.find_spec``) runs nothing and keeps the hooks."""
+    if sys.modules.get(module) is not None:
+        hook(sys.modules[module])
+        return
+    with _lock:
+        _on_import.setdefault(module, []).append(hook)
+        if not any(isinstance(f, _ImportHook) for f in sys.meta_path):
+            sys.meta_path.insert(0, _ImportHook())
+
+
+class _ImportHook:
+    """The meta path finder of :func:`after_import`.  It finds nothing itself: it wraps the
+    loader of the spec that the finders after it give for a watched module, and leaves
+    ``sys.meta_path`` once no module is watched."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in _on_import:
+            return None
+        try:
+            later = sys.meta_path[sys.meta_path.index(self) + 1:]
+        except ValueError:  # left meanwhile
+            return None
+        for finder in later:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None
+        exec_module = getattr(spec.loader, "exec_module", None)
+        if exec_module is None:
+            return spec
+
+        def exec_module_then_hooks(module: ModuleType) -> None:
+            exec_module(module)
+            with _lock:
+                hooks = _on_import.pop(name, [])
+                if not _on_import and self in sys.meta_path:
+                    sys.meta_path.remove(self)
+            for hook in hooks:
+                hook(module)
+
+        try:
+            spec.loader.exec_module = exec_module_then_hooks
+        except AttributeError:  # a loader that takes no attribute: the hooks wait
+            pass
+        return spec
 
 
 def register_stats(fn: Callable[[], dict]) -> None:

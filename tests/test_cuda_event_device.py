@@ -96,7 +96,7 @@ PROGRAM = textwrap.dedent("""
     out["asked_early_one_gpu"] = list(asked)
     _events.record_devices(cupy)
     out["idempotent"] = cupy.cuda.Event.__init__ is init
-    out["watching"] = [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "_CupyImport"]
+    out["watching"] = [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "_ImportHook"]
     print(json.dumps(out))
 """)
 

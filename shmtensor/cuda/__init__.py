@@ -67,48 +67,16 @@ def _stats() -> dict:
     return _reducers.stats()
 
 
-class _CupyImport:
-    """A meta path finder that runs :func:`._events.record_devices` as soon as ``import
-    cupy`` has run, before any event can be made (the adapter itself is installed later,
-    before the channels next pickle).  It finds nothing itself: it wraps the loader of the
-    spec the finders after it give for ``cupy``, and leaves once CuPy is imported.  A mere
-    lookup (``importlib.util.find_spec``, as :func:`is_available` does) does not end it."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "cupy":
-            return None
-        try:
-            later = sys.meta_path[sys.meta_path.index(self) + 1:]
-        except ValueError:  # left meanwhile
-            return None
-        for finder in later:
-            find = getattr(finder, "find_spec", None)
-            spec = find(name, path, target) if find is not None else None
-            if spec is not None:
-                break
-        else:
-            return None
-        exec_module = getattr(spec.loader, "exec_module", None)
-        if exec_module is None:
-            return spec
-
-        def exec_module_then_record(module):
-            exec_module(module)
-            if self in sys.meta_path:
-                sys.meta_path.remove(self)
-            from . import _events
-            _events.record_devices(module)
-
-        try:
-            spec.loader.exec_module = exec_module_then_record
-        except AttributeError:  # a loader that takes no attribute: CuPy is installed later
-            pass
-        return spec
+def _record_event_devices(cupy_module) -> None:
+    from . import _events
+    _events.record_devices(cupy_module)
 
 
 _registry.register_lazy("cupy", _install_cupy)
 if "cupy" not in sys.modules:  # else installed (and its events recorded) just now
-    sys.meta_path.insert(0, _CupyImport())
+    # right after `import cupy`, before any event can be made; the adapter itself is
+    # installed later, before the channels next pickle
+    _registry.after_import("cupy", _record_event_devices)
 _registry.register_lane_kind(b"\0V", _lane_loads)  # _vmm.LANE
 _registry.register_lane_kind(b"\0I", _ipc_lane)  # _ipc.LANE
 _registry.register_stats(_stats)

@@ -19,13 +19,12 @@ See docs/architecture.md ("Ray") for the design and its failure modes.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import sys
 import threading
 
 import numpy as np
 
+from .. import _registry
 from . import _exports, _numpy
 from ._host import SenderGone, host_id
 
@@ -47,6 +46,7 @@ def _ray():
     return ray
 _lock = threading.Lock()
 _registered: set[str] = set()
+_watching_cupy: list[bool] = []  # after_import("cupy") asked once
 
 
 def register() -> None:
@@ -61,8 +61,9 @@ def register() -> None:
         if "cupy" not in _registered:
             if "cupy" in sys.modules:
                 _register_cupy()
-            elif not any(isinstance(f, _CupyWatch) for f in sys.meta_path):
-                sys.meta_path.insert(0, _CupyWatch())
+            elif not _watching_cupy:
+                _watching_cupy.append(True)
+                _registry.after_import("cupy", _cupy_imported)
 
 
 def _register_cupy() -> None:
@@ -74,28 +75,12 @@ def _register_cupy() -> None:
     _registered.add("cupy")
 
 
-class _CupyWatch(importlib.abc.MetaPathFinder):
+def _cupy_imported(_module) -> None:
     """Registers the CuPy serializer right after ``import cupy`` (importing CuPy up front
     would cost every worker a second)."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "cupy":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_register(module):
-            exec_module(module)
-            sys.modules[name] = module
-            with _lock:
-                if "cupy" not in _registered and _ray().is_initialized():
-                    _register_cupy()
-
-        spec.loader.exec_module = exec_and_register
-        return spec
+    with _lock:
+        if "cupy" not in _registered and _ray().is_initialized():
+            _register_cupy()
 
 
 def _setup_worker() -> None:
