@@ -815,8 +815,10 @@ def _ensure_sweeper() -> None:
                 stop = threading.Event()
                 t = threading.Thread(target=_sweep, args=(stop,), daemon=True,
                                      name="shmtensor-sweeper")
-                _sweeper = (t, stop)
                 t.start()
+                # published once started: a fork from another thread in between must not
+                # find a thread it cannot join
+                _sweeper = (t, stop)
 
 
 def _stop_sweeper_before_fork() -> None:
