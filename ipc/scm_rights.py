@@ -22,13 +22,17 @@ socket must hold a lock around :func:`send_frame`, as the stdlib's queues alread
 from __future__ import annotations
 
 import array
+import math
 import os
+import resource
+import select
 import socket
 import struct
 import time
+from itertools import starmap
 
 __all__ = ["HAVE_SCM_RIGHTS", "MAX_FDS", "ATOMIC_MAX", "send_frame", "try_send_frame",
-           "recv_frame", "SpinWait", "close_fds"]
+           "recv_frame", "FrameReader", "Frame", "FrameTooLong", "SpinWait", "close_fds"]
 
 HAVE_SCM_RIGHTS = hasattr(socket, "SCM_RIGHTS") and hasattr(socket.socket, "sendmsg")
 MAX_FDS = 253
@@ -122,26 +126,26 @@ def _unpack_fds(payload: bytes) -> tuple[int, ...]:
     return unpack(payload[:4 * n])
 
 
-def _collect(ancdata, flags, fds: list) -> bool:
-    """Add the fds of ``ancdata`` to ``fds``; False when some were dropped (MSG_CTRUNC)."""
-    for level, kind, payload in ancdata:
-        if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
-            fds.extend(_unpack_fds(payload))
-    return not flags & _MSG_CTRUNC
+def _collect(parts) -> tuple[list[int], bool]:
+    """The fds that came with ``parts`` (``recvmsg`` results), and whether some were
+    dropped (MSG_CTRUNC)."""
+    fds: list[int] = []
+    dropped = False
+    for _, ancdata, flags, _ in parts:
+        for level, kind, payload in ancdata:
+            if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
+                fds.extend(_unpack_fds(payload))
+        dropped = dropped or bool(flags & _MSG_CTRUNC)
+    return fds, dropped
 
 
-def _recv_exact_msg(sock, size: int, fds: list, dropped: list) -> bytes:
-    chunks = []
-    while size:
-        data, ancdata, flags, _ = sock.recvmsg(size, _ANC_SIZE, _RECV_FLAGS)
-        if not _collect(ancdata, flags, fds):
-            dropped.append(True)
-        if not data:
-            close_fds(fds)
-            raise _truncated()
-        chunks.append(data)
-        size -= len(data)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+# How a read is recorded: ``out.extend(starmap(sock.recvmsg, (args,)))`` appends what the
+# call returned with no point in between where a signal handler can run (starmap and
+# extend are C), so a handler that raises finds every byte and fd read so far in the
+# reader's state.  A handler that runs inside the call (a read interrupted before it got
+# anything) raises with nothing read.
+_FIRST = ((4, _ANC_SIZE, _RECV_FLAGS),)
+_FIRST_NOW = ((4, _ANC_SIZE, _RECV_FLAGS | _DONTWAIT),)
 
 
 class SpinWait:
@@ -162,125 +166,298 @@ class SpinWait:
 
     def read_head(self, sock: socket.socket):
         """The first read of a frame, as ``recvmsg(4, ...)`` gives it."""
+        got: list = []
+        self.read_into(sock, got)
+        return got[0]
+
+    def read_into(self, sock: socket.socket, out: list) -> None:
+        """The first read of a frame, appended to ``out`` (see ``_FIRST``)."""
         clock = time.perf_counter
         if self.hot:
             try:
-                return sock.recvmsg(4, _ANC_SIZE, _RECV_FLAGS | _DONTWAIT)
+                return out.extend(starmap(sock.recvmsg, _FIRST_NOW))
             except BlockingIOError:
                 pass
             deadline = clock() + self.budget
             while clock() < deadline:
                 try:
-                    return sock.recvmsg(4, _ANC_SIZE, _RECV_FLAGS | _DONTWAIT)
+                    return out.extend(starmap(sock.recvmsg, _FIRST_NOW))
                 except BlockingIOError:
                     pass
             self.hot = False  # waited past the budget: sleep at once next time
-            return sock.recvmsg(4, _ANC_SIZE, _RECV_FLAGS)
+            return out.extend(starmap(sock.recvmsg, _FIRST))
         start = clock()
-        got = sock.recvmsg(4, _ANC_SIZE, _RECV_FLAGS)
+        out.extend(starmap(sock.recvmsg, _FIRST))
         self.hot = clock() - start <= self.budget
-        return got
+
+
+class Frame:
+    """A whole frame read off the socket and not yet handed over: its payload, the fds it
+    owns, and the hand-over's record (see :meth:`FrameReader.take`); ``counted``: free for
+    the channel's own bookkeeping (a queue gives back its semaphore once per frame)."""
+
+    __slots__ = ("data", "fds", "counted", "started", "dead", "result")
+
+    def __init__(self, data, fds: list[int]) -> None:
+        self.data, self.fds = data, fds
+        self.counted = self.started = self.dead = False
+        self.result: list = []
+
+    def hand_to(self, load, extra):
+        # one line: from the moment load is called, the fds are its own
+        self.started = True; return load(self.data, self.fds, *extra)  # noqa: E702
+
+
+class FrameTooLong(Exception):
+    """The frame's header says more bytes than the reader's ``maxsize``; the frame's fds
+    were closed."""
+
+
+class FrameReader:
+    """One reader's frames off one socket, atomic with respect to exceptions.
+
+    Everything read of a frame is kept here (see ``_FIRST``) until the frame is whole, so
+    an exception raised in the middle of a receive (a signal handler's, a deadline) never
+    leaves the socket mid-frame for the next read: an interrupted read finishes the frame
+    before the exception goes on (a second interrupt leaves it here), and a read that
+    finds the deadline passed keeps what it has for the next call.  A whole frame waits
+    in ``ready`` until :meth:`take` hands it to its loader, so a message is delivered by
+    the call that read it, or by the next call, or (an exception inside its loader)
+    discarded with its fds closed.  Errors the reader finds itself (end of file in a
+    frame, a malformed frame) close the frame's fds and say what happened.  Kept per
+    process: a forked child lets go of its parent's pending frame (its copies of the fds).
+    """
+
+    __slots__ = ("wait", "ready", "_parts", "_chunks", "_buf", "_counts", "_broken", "_pid")
+
+    def __init__(self, wait: SpinWait | None = None) -> None:
+        self.wait = wait
+        self.ready: Frame | None = None
+        self._parts: list = []   # recvmsg results: the header, then any follow-up fd bytes
+        self._chunks: list = []  # a small payload's reads
+        self._buf = None         # a large payload's buffer ...
+        self._counts: list = []  # ... and how much each read put in it
+        self._broken: str | None = None
+        self._pid = os.getpid()
+
+    def read(self, sock: socket.socket, deadline: float | None = None,
+             maxsize: int | None = None) -> bool:
+        """Make ``ready`` a whole frame: True, or False when ``deadline`` (a
+        ``time.monotonic()`` value) passed first.  A frame longer than ``maxsize`` raises
+        :class:`FrameTooLong` from its header, with its fds closed."""
+        if (self.ready is not None or self._parts) and self._pid != os.getpid():
+            self.discard()  # a forked child: the parent's frame, the parent delivers it
+        ready = self.ready
+        if ready is not None:
+            if ready.dead:
+                self._drop(ready)
+            elif maxsize is not None and len(ready.data) > maxsize:
+                self._drop(ready)
+                raise FrameTooLong
+            else:
+                return True
+        if self._broken is not None:
+            raise OSError(self._broken)
+        try:
+            return self._advance(sock, deadline, maxsize)
+        except BaseException:
+            if self._parts:  # interrupted mid-frame: finish it before going on
+                self._advance(sock, deadline, maxsize)
+            raise
+
+    def take(self, load, *extra):
+        """``load(data, fds, *extra)`` of the ready frame: its result.  ``load`` owns the
+        fds from its first line (it closes what it does not keep, however it ends).  An
+        exception before ``load`` began leaves the frame for the next call; one after it
+        returned leaves its result there; one inside it discards the frame."""
+        frame = self.ready
+        if not frame.result:
+            try:
+                frame.result.extend(map(frame.hand_to, (load,), (extra,)))
+            except BaseException:
+                if frame.started:
+                    frame.dead = True
+                    self._drop(frame)
+                raise
+        self.ready = None; return frame.result[0]  # noqa: E702 (no line between the two)
+
+    def discard(self) -> None:
+        """Close the fds of a pending frame, whole or not, and forget it (the channel is
+        closing, or this is a forked child's copy)."""
+        frame = self.ready
+        if frame is not None:
+            frame.dead = True
+            self._drop(frame)
+        fds, _ = _collect(self._parts)
+        self._parts, self._chunks, self._buf, self._counts = [], [], None, []
+        close_fds(fds)
+        self._pid = os.getpid()
+
+    def _drop(self, frame: Frame) -> None:
+        close_fds(frame.fds)  # each entry -1 once closed: a second call closes nothing
+        self.ready = None
+
+    def _fail(self, message: str, broken: bool = False) -> OSError:
+        """The error for a frame the reader refuses: its fds closed; ``broken``: the rest
+        of it is still in the socket, so nothing after it can be read."""
+        fds, _ = _collect(self._parts)
+        self._parts, self._chunks, self._buf, self._counts = [], [], None, []
+        close_fds(fds)
+        if broken:
+            self._broken = (f"this channel is out of step after a malformed frame "
+                            f"({message}); nothing more can be read from it")
+        return OSError(message)
+
+    def _recv(self, sock, out: list, fn, args, deadline) -> bool:
+        """``out.extend(starmap(fn, (args,)))``; with a deadline, without blocking past it
+        (False).  End of file in a frame raises."""
+        if deadline is None:
+            out.extend(starmap(fn, (args,)))
+        else:
+            args = args[:-1] + (args[-1] | _DONTWAIT,)
+            while True:
+                try:
+                    out.extend(starmap(fn, (args,)))
+                    break
+                except BlockingIOError:
+                    if not _wait_readable(sock, deadline):
+                        return False
+        last = out[-1]
+        if not (last if type(last) is not tuple else last[0]):  # a count, bytes, a recvmsg
+            if out is self._parts and len(out) == 1:
+                self._parts = []
+                raise EOFError
+            raise self._fail(_TRUNCATED)
+        return True
+
+    def _advance(self, sock, deadline, maxsize) -> bool:
+        parts = self._parts
+        if not parts:
+            if deadline is None and self.wait is not None:
+                self.wait.read_into(sock, parts)
+                if not parts[0][0]:
+                    self._parts = []
+                    raise EOFError
+            elif not self._recv(sock, parts, sock.recvmsg, (4, _ANC_SIZE, _RECV_FLAGS),
+                                deadline):
+                return False
+        while True:
+            need, n, nfds = self._header(parts)
+            if not need:
+                break
+            if not self._recv(sock, parts, sock.recvmsg, (need, _ANC_SIZE, _RECV_FLAGS),
+                              deadline):
+                return False
+        if maxsize is not None and n > maxsize:
+            self._fail("")
+            raise FrameTooLong
+        if n <= _INLINE:
+            chunks = self._chunks
+            have = sum(map(len, chunks))
+            while have < n:
+                if not self._recv(sock, chunks, sock.recv, (n - have, _RECV_FLAGS), deadline):
+                    return False
+                have += len(chunks[-1])
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        else:
+            if self._buf is None:
+                self._buf = bytearray(n)
+            view = memoryview(self._buf)
+            pos = sum(self._counts)
+            while pos < n:
+                if not self._recv(sock, self._counts, sock.recv_into, (view[pos:], 0, 0),
+                                  deadline):
+                    return False
+                pos += self._counts[-1]
+            data = self._buf
+        fds, dropped = _collect(parts)
+        if dropped:
+            raise self._fail("file descriptors were dropped in transit (MSG_CTRUNC): this "
+                             "process hit its open-file limit; raise it (ulimit -n) or hold "
+                             "fewer arrays from different producers; the message was "
+                             "discarded")
+        if len(fds) != nfds:
+            raise self._fail(f"a malformed frame: its header says {nfds} fds and {len(fds)} "
+                             f"came; the message was discarded (the channel is in step)")
+        # one statement: the frame goes from partial to whole with no point in between
+        self.ready, self._parts, self._chunks, self._buf, self._counts = (
+            Frame(data, fds), [], [], None, [])
+        return True
+
+    def _header(self, parts) -> tuple[int, int, int]:
+        """(bytes of the header, and of any follow-up fd bytes, still to read; payload
+        length; fd count) from the reads so far."""
+        head = parts[0][0] if len(parts) == 1 else b"".join(p[0] for p in parts)
+        got = len(head)
+        if got < 4:
+            return 4 - got, 0, 0
+        (code,) = _SMALL.unpack_from(head)
+        if code >= 0:
+            return 4 - got, code, 0  # stdlib framing: never read past the header
+        if code == -1:
+            if got < 12:
+                return 12 - got, 0, 0
+            return 0, _Q.unpack_from(head, 4)[0], 0
+        if code == -2:
+            if got < 16:
+                return 16 - got, 0, 0
+            n, nfds = _QI.unpack_from(head, 4)
+            size = 16
+        elif (-3 - code) & 0xFF:
+            n, nfds = divmod(-3 - code, 256)
+            size = 4
+        else:
+            raise self._fail(f"bad frame header {code}: the peer does not speak this "
+                             f"protocol", broken=True)
+        if nfds > MAX_FDS:
+            limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            if nfds > limit:
+                raise self._fail(f"a malformed frame: its header says {nfds} fds, more than "
+                                 f"a process may open here (ulimit -n {limit})", broken=True)
+            size += -(-(nfds - MAX_FDS) // MAX_FDS)  # one follow-up byte per 253 more fds
+        return size - got, n, nfds
+
+
+def _wait_readable(sock: socket.socket, deadline: float) -> bool:
+    """Wait until ``sock`` has something to read, or ``deadline`` passes (False)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if poller.poll(max(1, math.ceil(left * 1000))):
+            return True
 
 
 def recv_frame(sock: socket.socket, wait: SpinWait | None = None) -> tuple[bytes, list[int]]:
     """Receive one frame: ``(payload, fds)``; the caller owns (and must close) the fds.
-    ``wait``: the reader's :class:`SpinWait`, if it spins before sleeping."""
-    if wait is None:
-        head, ancdata, flags, _ = sock.recvmsg(4, _ANC_SIZE, _RECV_FLAGS)
-    else:
-        head, ancdata, flags, _ = wait.read_head(sock)
-    if len(head) == 4 and len(ancdata) == 1 and not flags & _MSG_CTRUNC:
-        # the common small frame with fds (one SCM_RIGHTS message, compact header)
-        code = _SMALL.unpack(head)[0]
-        level, kind, payload = ancdata[0]
-        if code < -2 and level == _SOL_SOCKET and kind == _SCM_RIGHTS:
-            n, nfds = divmod(-3 - code, 256)
-            if len(payload) == 4 * nfds:
-                fds = list(_unpack_fds(payload))
-                try:
-                    return _recv_payload(sock, n), fds
-                except BaseException:
-                    close_fds(fds)
-                    raise
-            return _finish_frame(sock, head, ancdata, flags)  # says what went wrong
-    return _finish_frame(sock, head, ancdata, flags)
+    ``wait``: the reader's :class:`SpinWait`, if it spins before sleeping.  A reader that
+    may be interrupted keeps a :class:`FrameReader` instead."""
+    reader = FrameReader(wait)
+    reader.read(sock)
+    return reader.take(_as_received)
 
 
-def _finish_frame(sock, head: bytes, ancdata, flags) -> tuple[bytes, list[int]]:
-    """:func:`recv_frame` past its first read, for every header form."""
-    fds: list[int] = []
-    dropped: list = []
-    if ancdata and not _collect(ancdata, flags, fds):
-        dropped.append(True)
-    if len(head) < 4:  # a header split across reads, or the peer is gone
-        if not head:
-            close_fds(fds)
-            raise EOFError
-        head += _recv_exact_msg(sock, 4 - len(head), fds, dropped)
-    (code,) = _SMALL.unpack(head)
-    nfds = 0
-    if code >= 0:
-        n = code
-    elif code == -1:
-        (n,) = _Q.unpack(_recv_exact_msg(sock, 8, fds, dropped))
-    elif code == -2:
-        n, nfds = _QI.unpack(_recv_exact_msg(sock, 12, fds, dropped))
-    elif (-3 - code) & 0xFF:
-        n, nfds = divmod(-3 - code, 256)
-    else:
-        close_fds(fds)
-        raise OSError(f"bad frame header {code}: the peer does not speak this protocol")
-    for _ in range(-(-(nfds - MAX_FDS) // MAX_FDS) if nfds > MAX_FDS else 0):
-        _recv_exact_msg(sock, 1, fds, dropped)
-    try:
-        buf = _recv_payload(sock, n)
-    except BaseException:
-        close_fds(fds)
-        raise
-    if dropped or len(fds) != nfds:
-        close_fds(fds)  # the whole frame was read: the channel stays usable
-        raise OSError("file descriptors were dropped in transit (MSG_CTRUNC): this process hit "
-                      "its open-file limit; raise it (ulimit -n) or hold fewer arrays from "
-                      "different producers; the message was discarded")
-    return buf, fds
+def _as_received(data, fds):
+    return data, fds
 
 
-def _truncated() -> OSError:
-    """The peer closed in the middle of a frame (it died mid-send): what the stdlib's
-    Connection raises then; EOFError is only for an end between frames."""
-    return OSError("got end of file during message")
-
-
-def _recv_payload(sock: socket.socket, n: int):
-    """``n`` bytes: one ``recv`` when they are there (a small frame is), else read into a
-    buffer of that size."""
-    if n <= _INLINE:
-        data = sock.recv(n) if n else b""
-        if len(data) == n:
-            return data
-        if not data:
-            raise _truncated()
-        buf = bytearray(n)
-        buf[:len(data)] = data
-        pos = len(data)
-    else:
-        buf = bytearray(n)
-        pos = 0
-    view = memoryview(buf)
-    while pos < n:
-        got = sock.recv_into(view[pos:])
-        if not got:
-            raise _truncated()
-        pos += got
-    return buf
+_TRUNCATED = "got end of file during message"  # as the stdlib's Connection says: the peer
+# closed in the middle of a frame (it died mid-send); EOFError is only for an end between
 
 
 def close_fds(fds) -> None:
     """Close every fd of ``fds`` that is not -1 (a slot given away), ignoring ones already
-    closed: for received fds nobody keeps, and fds a process lets go of at exit."""
-    for fd in fds:
+    closed: for received fds nobody keeps, and fds a process lets go of at exit.  In a
+    list, each entry becomes -1 as it is closed, so closing the same list again (after an
+    exception cut the first call short) closes nothing twice."""
+    if type(fds) is not list:
+        fds = list(fds)
+    for i, fd in enumerate(fds):
         if fd >= 0:
             try:
-                os.close(fd)
+                # one line: no signal handler runs between giving the entry up and closing it
+                fds[i] = -1; os.close(fd)  # noqa: E702
             except OSError:
                 pass

@@ -100,12 +100,21 @@ class Connection(_mpc.Connection):
         super().__init__(handle, readable, writable)
         self._sock = socket.socket(fileno=handle)
         self._sock.settimeout(None)  # not socket.setdefaulttimeout()'s: the stdlib's ignores it
-        self._wait = _strategy.receive_wait() if readable else None  # see set_receive_spin
+        # what this process has read of a frame not yet delivered (see set_receive_spin)
+        self._frames = scm_rights.FrameReader(_strategy.receive_wait()) if readable else None
+
+    @property
+    def _wait(self) -> scm_rights.SpinWait | None:
+        """How this end's reader waits (see set_receive_spin); None: it sleeps at once."""
+        return self._frames.wait if self._frames is not None else None
 
     def __reduce__(self):
         return _rebuild_connection, (reduction.DupFd(self.fileno()), self.readable, self.writable)
 
     def _close(self, _close=os.close):
+        frames, self._frames = self._frames, None
+        if frames is not None:
+            frames.discard()  # a frame read and never delivered: its fds
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.detach()
@@ -121,15 +130,22 @@ class Connection(_mpc.Connection):
 
     def _recv_bytes(self, maxsize=None):
         """One message as the stdlib's ``_recv_bytes`` gives it: a BytesIO positioned at its
-        end (``recv_bytes_into`` reads the size from ``tell()``), or None when it is longer
-        than ``maxsize`` (``recv_bytes`` then says "bad message length")."""
-        buf, fds = scm_rights.recv_frame(self._sock, self._wait)
-        scm_rights.close_fds(fds)
-        if maxsize is not None and len(buf) > maxsize:
+        end (``recv_bytes_into`` reads the size from ``tell()``), or None when its header
+        says more than ``maxsize`` (``recv_bytes`` then says "bad message length" and stops
+        reading, as the stdlib's does); its fds are closed."""
+        try:
+            self._frames.read(self._sock, None, maxsize)
+        except scm_rights.FrameTooLong:
             return None
-        out = io.BytesIO(buf)
+        out = io.BytesIO(self._frames.take(_payload_only))
         out.seek(0, io.SEEK_END)
         return out
+
+    def _poll(self, timeout):
+        frames = self._frames
+        if frames is not None and frames.ready is not None:
+            return True  # read by a receive an exception cut short: delivered next
+        return super()._poll(timeout)
 
     def send_frame(self, data, fds) -> None:
         self._check_closed()
@@ -142,10 +158,18 @@ class Connection(_mpc.Connection):
         self._check_writable()
         return scm_rights.try_send_frame(self._sock, data, fds)
 
-    def recv_frame(self):
+    def read_frame(self, deadline: float | None = None):
+        """Read a whole frame off the socket (see ``scm_rights.FrameReader``): the frame,
+        which :meth:`take` hands over, or None when ``deadline`` (``time.monotonic()``)
+        passed first."""
         self._check_closed()
         self._check_readable()
-        return scm_rights.recv_frame(self._sock, self._wait)
+        frames = self._frames
+        return frames.ready if frames.read(self._sock, deadline) else None
+
+    def take(self, load, *extra):
+        """``load(data, fds, *extra)`` of the frame :meth:`read_frame` read: its result."""
+        return self._frames.take(load, *extra)
 
     def send(self, obj) -> None:
         """Send a picklable object; arrays in it cross through shared memory."""
@@ -165,8 +189,13 @@ class Connection(_mpc.Connection):
 
     def recv(self):
         """Receive an object sent with :meth:`send`."""
-        data, fds = self.recv_frame()
-        return _reductions.loads(data, fds, self._private)
+        self.read_frame()
+        return self._frames.take(_reductions.loads, self._private)
+
+
+def _payload_only(data, fds):
+    scm_rights.close_fds(fds)
+    return data
 
 
 def _rebuild_connection(df, readable: bool, writable: bool) -> Connection:

@@ -15,7 +15,10 @@ overrides, and why:
 * ``_start_thread`` and ``_feed``: the stdlib's, but the feeder sends the frames ``put``
   made instead of pickling objects (3.10's ``_start_thread`` names ``Queue._feed`` itself,
   so both are overridden).
-* ``get``: the stdlib's, receiving a frame and its fds.
+* ``get``: the stdlib's, receiving a frame and its fds, atomic with respect to exceptions
+  (``scm_rights.FrameReader``): a message is delivered by the call that read it, or stays
+  for the next ``get`` of this process, or (an exception while it is unpickled) is
+  discarded with its fds closed; ``timeout`` covers the whole frame.
 
 Errors are reported as the stdlib reports them, and resource errors are never lost:
 
@@ -35,6 +38,7 @@ import sys
 import threading
 import time
 import weakref
+from itertools import starmap
 from multiprocessing import queues as _mpq
 from multiprocessing.util import Finalize, debug, info, is_exiting
 from queue import Empty, Full
@@ -182,27 +186,18 @@ class _ShmQueue:
         """The stdlib's, receiving a frame with its fds."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
+        reader = self._reader
         if block and timeout is None:
-            with self._rlock:
-                data, fds = self._reader.recv_frame()
-            self._sem.release()
+            frame = _read_locked(reader, self._rlock, (), None)
+        elif block:
+            deadline = time.monotonic() + timeout  # the whole frame within the timeout
+            frame = _read_locked(reader, self._rlock, (True, timeout), deadline)
         else:
-            if block:
-                deadline = time.monotonic() + timeout
-            if not self._rlock.acquire(block, timeout):
-                raise Empty
-            try:
-                if block:
-                    timeout = deadline - time.monotonic()
-                    if not self._poll(timeout):
-                        raise Empty
-                elif not self._poll():
-                    raise Empty
-                data, fds = self._reader.recv_frame()
-                self._sem.release()
-            finally:
-                self._rlock.release()
-        return _reductions.loads(data, fds)
+            frame = _read_locked(reader, self._rlock, (False,), 0.0)
+        if frame is None:
+            raise Empty
+        _count(frame, self._sem)
+        return reader.take(_reductions.loads)
 
     def _undo_put(self, joinable) -> None:
         """Give back what a put that raised had taken."""
@@ -279,6 +274,28 @@ class _ShmQueue:
                 pass
 
 
+def _count(frame: scm_rights.Frame, sem) -> None:
+    """Give the queue's semaphore back once for each frame taken off the socket (a frame
+    an exception left for the next get is counted once)."""
+    if not frame.counted:
+        frame.counted = True; sem.release()  # noqa: E702 (one line: never twice, never lost)
+
+
+def _read_locked(reader, rlock, acquire: tuple, deadline: float | None):
+    """``reader.read_frame(deadline)`` under the queue's read lock, taken with ``acquire``
+    (its arguments): the frame, or None (the lock or the frame not had in time).  What
+    the lock's acquire returned is recorded with no point between where a signal handler
+    runs (see ``scm_rights._FIRST``), and its release is the first call of its line, so an
+    exception never leaves the lock held (the stdlib Lock's ``__exit__`` is Python code,
+    where a handler can run: ``with`` is not used)."""
+    held: list = []
+    try:
+        held.extend(starmap(rlock.acquire, (acquire,)))
+        return reader.read_frame(deadline) if held[0] else None
+    finally:
+        if held and held[0]: rlock.release()  # noqa: E701 (one line: see above)
+
+
 def _send_item(item, writer, writelock) -> None:
     """Send a frame (and let go of its buffer, sent or not: see ``send_error``)."""
     if type(item) is _Unpicklable:
@@ -345,9 +362,8 @@ class SimpleQueue(_mpq.SimpleQueue):
         self._poll = self._reader.poll
 
     def get(self):
-        with self._rlock:
-            data, fds = self._reader.recv_frame()
-        return _reductions.loads(data, fds)
+        _read_locked(self._reader, self._rlock, (), None)
+        return self._reader.take(_reductions.loads)
 
     def put(self, obj) -> None:
         try:

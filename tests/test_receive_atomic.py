@@ -1,0 +1,226 @@
+"""A receive is atomic with respect to exceptions (issue 26, item 7 and item 3's maxsize).
+
+An exception raised at any line of the receive path (what a signal handler that raises,
+such as SIGINT's, does) leaves the message delivered by that call or by the next one,
+never half a frame in the socket, no fd open and the producer's segment released.  The
+exception is injected with ``sys.settrace`` at every line, in turn, of the code of
+``ipc.scm_rights``, ``_connection`` and ``_queues`` that a receive runs.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import socket
+import struct
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import shmtensor
+import shmtensor.multiprocessing as smp
+from shmtensor import _connection, _queues
+from shmtensor.ipc import scm_rights
+
+JOIN = 60
+_FILES = {scm_rights.__file__, _connection.__file__, _queues.__file__}
+
+
+class Injected(Exception):
+    """What the injected 'signal handler' raises."""
+
+
+class Inject:
+    """Raise :class:`Injected` at the ``k``-th line run in the receive path's files.
+
+    Not at a line whose first call releases a queue's read lock, nor where CPython
+    reports a ``with`` statement's line again as its block exits: a trace function can
+    raise there, before the release, but a signal handler runs only at calls and loops
+    (no line before the release has either).  The stdlib's ``Queue.get`` releases its read
+    lock in the Lock's ``__exit__``, which is Python code, where a handler does run: the
+    queues here call its C ``acquire`` and ``release`` instead."""
+
+    def __init__(self) -> None:
+        self._seen: set = set()
+
+    def _with_exit(self, frame) -> bool:
+        key = (frame.f_code, frame.f_lineno)
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip()
+        if "rlock.release()" in line:
+            return True  # the release is the line's first call: no handler runs before it
+        if not line.startswith("with "):
+            return False
+        if (id(frame), key) in self._seen:
+            return True
+        self._seen.add((id(frame), key))
+        return False
+
+    def arm(self, k: int) -> None:
+        self.left, self.fired, self.where, self.in_load = k, False, None, False
+        self._seen.clear()
+        sys.settrace(self._global)
+
+    def disarm(self) -> bool:
+        sys.settrace(None)
+        return self.fired
+
+    def _global(self, frame, event, arg):
+        return self._local if frame.f_code.co_filename in _FILES else None
+
+    def _local(self, frame, event, arg):
+        if event == "line" and not self.fired and not self._with_exit(frame):
+            self.left -= 1
+            if self.left == 0:
+                self.fired = True
+                self.where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+                self.in_load = _inside_load(frame)
+                raise Injected(f"{frame.f_code.co_name}:{frame.f_lineno}")
+        return self._local
+
+
+def _inside_load(frame) -> bool:
+    """Whether ``frame`` runs inside a loader the frame was handed to (its unpickling):
+    an exception there discards the message, with its fds closed."""
+    frame = frame.f_back  # at hand_to's own line the loader has not begun
+    while frame is not None:
+        if frame.f_code is scm_rights.Frame.hand_to.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _message(i: int):
+    """Kinds in turn: an inline array (no fds), an array copied into a segment (fds),
+    a payload too large for one read (no fds, several reads)."""
+    kind = i % 3
+    if kind == 0:
+        return i, np.full(16, i, np.int64)
+    if kind == 1:
+        return i, np.full(40_000, i, np.int64)
+    return i, bytes([i % 251]) * 300_000
+
+
+def _check(got, i: int, where: str | None = None) -> None:
+    seq, payload = got
+    assert seq == i, f"message {i} expected, {seq} arrived (interrupted at {where})"
+    want = _message(i)[1]
+    if isinstance(want, bytes):
+        assert payload == want
+    else:
+        assert (payload == want).all()
+
+
+def _produce(q, n, done):
+    for i in range(n):
+        q.put(_message(i))
+    q.close()
+    q.join_thread()
+    done.wait(JOIN)
+    shmtensor.empty_cache()
+    info = shmtensor.debug_info()
+    os._exit(0 if info["segments_own_live"] + info["segments_own_idle"] == 0 else 3)
+
+
+def _fds() -> dict[int, str]:
+    """This process's fds, once idle received segments (kept for reuse) are let go."""
+    shmtensor.empty_cache()
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own fd
+            pass
+    return out
+
+
+@pytest.mark.parametrize("how", ["get", "get_timeout", "simple", "recv"])
+def test_an_exception_at_every_line_of_a_receive_loses_and_leaks_nothing(lc, how):
+    ctx = smp.get_context("fork")
+    n = 900
+    if how == "recv":
+        reader, writer = smp.Pipe(duplex=False)
+        q = ctx.Queue()  # carries nothing: the producer sends on the pipe
+
+        class Sender:  # the pipe's writer as a queue, for _produce
+            def put(self, obj):
+                writer.send(obj)
+
+            def close(self):
+                writer.close()
+
+            def join_thread(self):
+                pass
+
+        target_q = Sender()
+        receive = reader.recv
+    else:
+        q = ctx.SimpleQueue() if how == "simple" else ctx.Queue()
+        target_q = q
+        receive = {"get": lambda: q.get(), "get_timeout": lambda: q.get(timeout=JOIN),
+                   "simple": q.get}[how]
+    done = ctx.Event()
+    if how == "simple":  # SimpleQueue has no close/join_thread: the producer flushes as it puts
+        target = _produce_simple
+    else:
+        target = _produce
+    p = ctx.Process(target=target, args=(target_q, n, done))
+    p.start()
+    lc.check_pid(p.pid)
+    inject = Inject()
+    i = 0
+    try:
+        for _ in range(6):  # warm up: lease tables and caches opened once, before counting fds
+            _check(receive(), i)
+            i += 1
+        base = _fds()
+        k, quiet, discarded = 1, 0, 0
+        while quiet < 3:  # every kind of message has run out of lines to interrupt
+            assert i < n - 1, "not enough messages for every line"
+            inject.arm(k)
+            try:
+                got = receive()
+            except Injected:
+                got = None
+            finally:
+                fired = inject.disarm()
+            if got is None:  # interrupted: the next receive delivers the message ...
+                if inject.in_load:  # ... unless it was being unpickled: then it was discarded
+                    discarded += 1
+                    i += 1
+                got = receive()
+            _check(got, i, inject.where)
+            del got
+            now = _fds()
+            assert now == base, (f"fds {set(now.items()) ^ set(base.items())} leaked after an "
+                                 f"interrupt at {inject.where} (message {i})")
+            quiet = 0 if fired else quiet + 1
+            i += 1
+            if i % 3 == 1:
+                k += 1
+        assert k > 30, f"only {k} lines were interrupted"
+        assert discarded < k  # only where an exception landed inside the unpickling
+        while i < n:
+            _check(receive(), i)
+            i += 1
+        assert _fds() == base
+    finally:
+        done.set()
+        p.join(JOIN)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    assert p.exitcode == 0, "the producer's segments are still held (exit code 3)"
+    if how == "recv":
+        reader.close()
+    q.close() if hasattr(q, "close") else None
+
+
+def _produce_simple(q, n, done):
+    for i in range(n):
+        q.put(_message(i))
+    done.wait(JOIN)
+    shmtensor.empty_cache()
+    info = shmtensor.debug_info()
+    os._exit(0 if info["segments_own_live"] + info["segments_own_idle"] == 0 else 3)
