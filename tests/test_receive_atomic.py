@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import linecache
 import os
+import pickle
 import socket
 import struct
 import sys
 import time
+from queue import Empty
 
 import numpy as np
 import pytest
@@ -224,3 +226,123 @@ def _produce_simple(q, n, done):
     shmtensor.empty_cache()
     info = shmtensor.debug_info()
     os._exit(0 if info["segments_own_live"] + info["segments_own_idle"] == 0 else 3)
+
+
+def _open_fds(n: int) -> list[int]:
+    return [os.open("/dev/null", os.O_RDONLY) for _ in range(n)]
+
+
+def _closed(fds) -> bool:
+    return not [fd for fd in fds if os.path.exists(f"/proc/self/fd/{fd}")]
+
+
+def _received_fds(before: dict) -> list[int]:
+    """The fds this process has now that it had not in ``before``."""
+    return [fd for fd in _fds() if fd not in before]
+
+
+def test_recv_bytes_refuses_a_frame_longer_than_maxlength_on_its_header():
+    import threading
+    import tracemalloc
+    reader, writer = smp.Pipe(duplex=False)
+    fds = _open_fds(2)
+    before = _fds()
+    failed = []
+
+    def send():  # the reader stops reading after the header: this send ends with EPIPE
+        try:
+            scm_rights.send_frame(writer._sock, bytes(20 << 20), fds)
+        except OSError as e:
+            failed.append(e)
+
+    th = threading.Thread(target=send)
+    th.start()
+    tracemalloc.start()
+    try:
+        with pytest.raises(OSError, match="bad message length"):
+            reader.recv_bytes(maxlength=100)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        reader.close()  # as the stdlib does to a read-only end: refused, then closed
+        th.join(JOIN)
+        writer.close()
+        scm_rights.close_fds(fds)
+    assert reader.closed
+    assert not th.is_alive() and failed
+    assert peak < 1 << 20, f"{peak} bytes allocated for a refused frame"
+    assert _received_fds(before) == []
+
+
+def test_a_frame_with_fewer_fds_than_its_header_says_is_refused_and_the_channel_stays_in_step():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    fds = _open_fds(1)
+    before = _fds()
+    try:
+        header = struct.pack("!i", -3 - (3 << 8 | 2))  # "three bytes, two fds"
+        a.sendmsg([header + b"abc"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                        struct.pack("i", fds[0]))])
+        scm_rights.send_frame(a, b"next")
+        reader = scm_rights.FrameReader()
+        with pytest.raises(OSError, match="says 2 fds and 1 came"):
+            reader.read(b)
+        assert _received_fds(before) == []
+        assert reader.read(b) and reader.take(lambda d, f: bytes(d)) == b"next"
+    finally:
+        scm_rights.close_fds(fds)
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("header", [
+    struct.pack("!i", -3 - (5 << 8)),                 # compact, "five bytes, no fds"
+    struct.pack("!iQI", -2, 10, 1 << 31),              # more fds than any process may open
+], ids=["no-fds-compact", "absurd-fd-count"])
+def test_a_malformed_header_is_an_error_then_the_channel_says_it_is_out_of_step(header):
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        a.sendall(header + b"0123456789")
+        reader = scm_rights.FrameReader()
+        with pytest.raises(OSError, match="does not speak this protocol|more than a process"):
+            reader.read(b, time.monotonic() + JOIN)
+        with pytest.raises(OSError, match="out of step"):
+            reader.read(b, time.monotonic() + JOIN)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_peer_that_dies_mid_frame_gives_end_of_file_and_its_fds_are_closed():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    fds = _open_fds(2)
+    before = _fds()
+    try:
+        header = struct.pack("!i", -3 - (100 << 8 | 2))
+        a.sendmsg([header + b"only part"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                              struct.pack("2i", *fds))])
+        a.close()
+        with pytest.raises(OSError, match="end of file during message"):
+            scm_rights.recv_frame(b)
+        assert _received_fds(before) == []
+    finally:
+        scm_rights.close_fds(fds)
+        b.close()
+
+
+def test_get_with_a_timeout_bounds_the_whole_frame_and_the_next_get_resumes_it():
+    q = smp.Queue()
+    sock = q._writer._sock
+    payload = pickle.dumps(("late", bytes(200_000)))
+    header = struct.pack("!i", len(payload))
+    q._sem.acquire()  # as put() would, for the frame written by hand
+    sock.sendall(header + payload[:1000])  # the writer stalls mid-frame
+    try:
+        with pytest.raises(Empty):
+            q.get(timeout=0.2)
+        sock.sendall(payload[1000:])
+        assert q.get(timeout=JOIN)[0] == "late"
+        q.put("after")
+        assert q.get(timeout=JOIN) == "after"
+    finally:
+        q.close()
+        q.join_thread()
