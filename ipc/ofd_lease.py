@@ -249,13 +249,17 @@ def hold(table_id: str, slot: int, fd_source: int | None = None,
                 continue
             fd = h.fd_for(slot, fd_source)
             n = h.counts.get(slot, 0)
+            h.counts[slot] = n + 1  # first: a release finds the hold, however far it got
             if n == 0:
-                if deferred is None or fd_source is None:
-                    _setlk(fd, fcntl.F_RDLCK, slot)
-                    h.by[slot] = -1
-                else:
-                    deferred.append(entry)
-            h.counts[slot] = n + 1
+                try:
+                    if deferred is None or fd_source is None:
+                        _setlk(fd, fcntl.F_RDLCK, slot)
+                        h.by[slot] = -1
+                    else:
+                        deferred.append(entry)
+                except OSError:  # no lock to be had: nothing held
+                    h.counts.pop(slot, None)
+                    raise
             return
 
 
@@ -377,7 +381,7 @@ def retry_after_shedding(err: OSError, make, *args):
     return make(*args)
 
 
-def establish(table_id: str, slot: int, inflight: int, sole: bool) -> bool:
+def establish(table_id: str, slot: int, inflight: int | list, sole: bool, i: int = -1) -> bool:
     """End of a load: turn a deferred hold into a real one before ``inflight`` (the
     message's description, covering ``slot``) is closed.  ``sole``: ``inflight`` covers no
     other slot, so it may itself become the hold.  Returns True when it did (the caller
@@ -390,12 +394,15 @@ def establish(table_id: str, slot: int, inflight: int, sole: bool) -> bool:
     with h.lock:
         if h.counts.get(slot, 0) == 0 or slot in h.by:
             return False  # let go during the load, or held some other way meanwhile
-        keep = _make_real(h, slot, inflight, sole, budget)
+        keep = _make_real(h, slot, inflight, sole, budget, i)
         if h.counts.get(slot, 0) == 0:  # released by a finalizer that ran meanwhile: undo
-            if h.by.pop(slot, None) is None:
+            fd = h.by.pop(slot, None)
+            if fd is None:
                 # that release let go of it already (closing ``inflight`` if it was kept)
                 return keep
             if keep:  # the caller closes ``inflight``
+                if type(inflight) is list:
+                    inflight[i] = fd  # back in the list it came from
                 with _kept_lock:
                     _kept -= 1
             else:
@@ -404,10 +411,13 @@ def establish(table_id: str, slot: int, inflight: int, sole: bool) -> bool:
         return keep
 
 
-def hold_sole(table_id: str, slot: int, inflight: int) -> bool:
+def hold_sole(table_id: str, slot: int, inflight: int | list, i: int = -1) -> bool:
     """:func:`hold` + :func:`establish` in one step, for a loaded message whose in-flight
     description ``inflight`` covers ``slot`` alone (see ``shmtensor.cuda._vmm``'s lane).
-    Returns True when ``inflight`` became the hold (the caller must then not close it)."""
+    Returns True when ``inflight`` became the hold (the caller must then not close it).
+    ``inflight`` may be the message's fd list and ``i`` its index there: a description
+    kept as the hold then leaves the list (-1) in the same step as the holding takes it,
+    so an exception raised anywhere (a signal handler's) never leaves it owned twice."""
     budget = _budget[0] if _budget else kept_budget()
     while True:
         h = _holdings.get(table_id) or _holding(table_id)
@@ -416,24 +426,30 @@ def hold_sole(table_id: str, slot: int, inflight: int) -> bool:
                 continue
             counts = h.counts
             n = counts.get(slot, 0)
+            counts[slot] = n + 1  # first: a release finds the hold, however far it got
             if n:
-                counts[slot] = n + 1
                 return False
-            keep = _make_real(h, slot, inflight, True, budget)
-            counts[slot] = 1
-            return keep
+            try:
+                return _make_real(h, slot, inflight, True, budget, i)
+            except OSError:  # no fd or lock to be had: nothing held
+                counts.pop(slot, None)
+                raise
 
 
-def _make_real(h: _Holding, slot: int, inflight: int, sole: bool, budget: int) -> bool:
+def _make_real(h: _Holding, slot: int, inflight: int | list, sole: bool, budget: int,
+               i: int = -1) -> bool:
     """Hold ``slot`` by ``inflight`` itself (when ``sole`` and within the budget: True) or
-    by a lock through this process's description of its file (caller holds ``h.lock``)."""
+    by a lock through this process's description of its file (caller holds ``h.lock``).
+    ``inflight`` may be a message's fd list, the description at index ``i``: kept, it
+    leaves the list with no point in between where a signal handler runs."""
     global _kept
-    fd = h.fd_for(slot, inflight)  # made on first need: forwarding reopens it
+    fds = inflight if type(inflight) is list else [inflight]
+    fd = h.fd_for(slot, fds[i])  # made on first need: forwarding reopens it
     if sole:
         with _kept_lock:
             if _kept < budget:
-                _kept += 1
-                h.by[slot] = inflight
+                # one line of stores, no call: counted, held by it, and out of the list
+                _kept += 1; h.by[slot] = fds[i]; fds[i] = -1  # noqa: E702
                 return True
     _setlk(fd, fcntl.F_RDLCK, slot)
     h.by[slot] = -1

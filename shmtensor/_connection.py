@@ -171,6 +171,12 @@ class Connection(_mpc.Connection):
         """``load(data, fds, *extra)`` of the frame :meth:`read_frame` read: its result."""
         return self._frames.take(load, *extra)
 
+    def recv_frame(self) -> tuple[bytes, list[int]]:
+        """The next frame as it came: ``(payload, fds)``; the caller owns (and must close)
+        the fds."""
+        self.read_frame()
+        return self._frames.take(_as_received)
+
     def send(self, obj) -> None:
         """Send a picklable object; arrays in it cross through shared memory."""
         self._check_closed()
@@ -191,6 +197,10 @@ class Connection(_mpc.Connection):
         """Receive an object sent with :meth:`send`."""
         self.read_frame()
         return self._frames.take(_reductions.loads, self._private)
+
+
+def _as_received(data, fds):
+    return data, fds
 
 
 def _payload_only(data, fds):

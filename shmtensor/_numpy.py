@@ -29,8 +29,7 @@ from shmtensor.ipc import ofd_lease, scm_rights
 from . import _log, _registry, _segments, _stats, _strategy, _wire
 from ._reductions import NUMPY_LANE
 from ._segments import FD, Segment
-from ._wire import (LaneContext, attach_fd, inflight_index, keep_alive, received_fd,
-                    received_lease, take_received_fd)
+from ._wire import LaneContext, attach_fd, inflight_index, keep_alive, received_fd, received_lease
 
 
 def _dt(dt: np.dtype):
@@ -143,12 +142,8 @@ def lane_loads(data, fds: list[int]):
          readonly) = pickle.loads(memoryview(data)[len(NUMPY_LANE):])
         if len(fds) != (2 if kind == FD else 1):
             raise pickle.UnpicklingError(f"a shared array came with {len(fds)} fds")
-        anchor, took, kept = _segments.receive_sole(key, kind, size, table_id, slot,
-                                                    fds[0] if kind == FD else None, fds[-1])
-        if took:
-            fds[0] = -1
-        if kept:
-            fds[-1] = -1
+        # what the segment keeps leaves ``fds`` as it is taken: the finally closes the rest
+        anchor = _segments.receive_sole(key, kind, size, table_id, slot, fds)
         dt = _dtypes.get(dtype) if type(dtype) is str else None
         if dt is None:
             dt = np.dtype(dtype)
@@ -169,12 +164,10 @@ def _reduce_segment(seg: Segment):
 
 def _rebuild_segment(key, kind, size, table_id, slot, data_i, lock_i):
     lease_fd, deferred = received_lease(table_id, slot, lock_i)
-    anchor, took = _segments.receive(key, kind, size, table_id, slot,
-                                     received_fd(data_i) if data_i >= 0 else None, lease_fd,
-                                     deferred)
-    if took:
-        take_received_fd(data_i)
-    return anchor
+    # the message's fd list: a kept memfd leaves it as the segment takes it
+    fds = _wire.received_fds() if data_i >= 0 else None
+    return _segments.receive(key, kind, size, table_id, slot, fds, lease_fd, deferred,
+                             max(data_i, 0))[0]
 
 
 def _rebuild_array(anchor, offset, shape, strides, dtype, readonly, copied=False):

@@ -264,9 +264,9 @@ def _loads(data, fds: list[int], private: bool = False):
         return _lane_loads(data, fds)  # only arrays shared already take a lane
     ctx = RecvContext(fds, private)
     prev = getattr(_wire.current, "recv", None)
-    _wire.current.recv = ctx
     loaded = False
-    try:
+    try:  # from the context's first use: its fds are closed however the load ends
+        _wire.current.recv = ctx
         obj = pickle.loads(data)
         loaded = True
         return obj

@@ -94,15 +94,22 @@ class Segment:
             with _lock:
                 a = self._anchor() if self._anchor is not None else None
                 if a is None:
+                    # watched before the hold is taken: an anchor dropped on the way (an
+                    # exception, a signal handler's) releases however much of it was taken
                     a = self._buffer()
-                    ofd_lease.hold(self.table_id, self.slot, lease_fd, deferred)
                     self._watch(a)
+                    try:
+                        ofd_lease.hold(self.table_id, self.slot, lease_fd, deferred)
+                    except OSError:  # no lock or fd: nothing held, and nothing to release
+                        self._anchor = None
+                        raise
         return a
 
-    def anchor_sole(self, inflight: int) -> tuple[np.ndarray, bool]:
+    def anchor_sole(self, inflight: int | list) -> tuple[np.ndarray, bool]:
         """The live anchor, or a new one held through ``inflight`` (a message's in-flight
-        description covering this segment's slot alone: ``ofd_lease.hold_sole``).  Returns
-        it and whether ``inflight`` became the hold (the caller must then not close it)."""
+        description covering this segment's slot alone: ``ofd_lease.hold_sole``; the
+        message's fd list, the description last, which it then leaves).  Returns it and
+        whether ``inflight`` became the hold (the caller must then not close it)."""
         ref = self._anchor
         a = ref() if ref is not None else None
         if a is not None:
@@ -112,9 +119,12 @@ class Segment:
             if a is not None:
                 return a, False
             a = self._buffer()
-            kept = ofd_lease.hold_sole(self.table_id, self.slot, inflight)
-            self._watch(a)
-            return a, kept
+            self._watch(a)  # first: see anchor()
+            try:
+                return a, ofd_lease.hold_sole(self.table_id, self.slot, inflight)
+            except OSError:  # no lock or fd: nothing held, and nothing to release
+                self._anchor = None
+                raise
 
     def _buffer(self) -> np.ndarray:
         if self.mm is None:
@@ -658,78 +668,98 @@ def trim(force: bool = False) -> int:
 
 # --- attached segments (the receive cache) ------------------------------------------------
 
-def receive(key: str, kind: str, size: int, table_id: str, slot: int, fd: int | None,
-            lease_fd: int, deferred: list | None = None) -> tuple[np.ndarray, bool]:
+def receive(key: str, kind: str, size: int, table_id: str, slot: int, fd: int | list | None,
+            lease_fd: int, deferred: list | None = None, fd_i: int = 0) -> tuple[np.ndarray, bool]:
     """The anchor of segment ``key`` here, mapping the segment if this process has not
     (from ``fd``, or by name); ``lease_fd`` came with the message (its in-flight lock;
-    ``deferred`` as for ``ofd_lease.hold``).  Returns (anchor, whether ``fd`` was kept)."""
+    ``deferred`` as for ``ofd_lease.hold``).  ``fd`` may be the message's fd list, the
+    memfd at ``fd_i``, which a kept memfd leaves (see :func:`_attached`).  Returns (anchor,
+    whether the memfd was kept)."""
     with _lock:  # lookup, map and anchor as one step: eviction cannot slip in between
-        seg, took = _attached(key, kind, size, table_id, slot, fd)
+        seg, took = _attached(key, kind, size, table_id, slot, fd, fd_i)
         try:
             return seg.anchor(lease_fd, deferred), took
         except BaseException:
-            _unanchored(seg, took)
+            _unanchored(seg, took, fd if type(fd) is list else None, fd_i)
             raise
 
 
-def receive_sole(key: str, kind: str, size: int, table_id: str, slot: int, fd: int | None,
-                 inflight: int) -> tuple[np.ndarray, bool, bool]:
-    """:func:`receive` for a message whose in-flight description ``inflight`` covers this
-    segment's slot alone (a one-array message): the hold is made at once
-    (:meth:`Segment.anchor_sole`).  Returns (anchor, whether ``fd`` was kept, whether
-    ``inflight`` was)."""
+def receive_sole(key: str, kind: str, size: int, table_id: str, slot: int,
+                 fds: list[int]) -> np.ndarray:
+    """:func:`receive` for a message whose in-flight description covers this segment's
+    slot alone (a one-array message): ``fds`` is the message's, the segment's memfd first
+    (``FD`` kind), the description last; the hold is made at once
+    (:meth:`Segment.anchor_sole`).  What is kept leaves ``fds`` (-1) in the same step as
+    it is taken, so the caller closes what is left, however this ends."""
     with _lock:
-        seg, took = _attached(key, kind, size, table_id, slot, fd)
+        seg, took = _attached(key, kind, size, table_id, slot, fds if kind == FD else None)
         try:
-            anchor, kept = seg.anchor_sole(inflight)
+            return seg.anchor_sole(fds)[0]
         except BaseException:
-            _unanchored(seg, took)
+            _unanchored(seg, took, fds)
             raise
-        return anchor, took, kept
 
 
-def _unanchored(seg: Segment, took: bool) -> None:
+def _unanchored(seg: Segment, took: bool, fds: list | None = None, i: int = 0) -> None:
     """A received segment whose anchor could not be made (its hold failed: no fd or lock
-    left): the message's fd stays the caller's to close, and the mapping idles in the
-    receive cache instead of staying mapped for good (caller holds ``_lock``)."""
+    left): the message's fd stays the caller's to close (back in ``fds``, at 0, when it
+    was taken from there), and the mapping idles in the receive cache instead of staying
+    mapped for good (caller holds ``_lock``)."""
     global _kept_fds
-    if took:
-        seg.fd = None
+    if took and seg.fd is not None:
+        if fds is not None:
+            fds[i] = seg.fd; seg.fd = None  # noqa: E702 (one line: owned once)
+        else:
+            seg.fd = None
         _kept_fds -= 1
     if not seg.own and not seg.alive():
         _cache_put(seg)
 
 
 def _attached(key: str, kind: str, size: int, table_id: str, slot: int,
-              fd: int | None) -> tuple[Segment, bool]:
-    """Segment ``key`` mapped here, and whether ``fd`` was kept (caller holds ``_lock``)."""
+              fds: list | int | None, i: int = 0) -> tuple[Segment, bool]:
+    """Segment ``key`` mapped here, and whether its memfd was kept (caller holds
+    ``_lock``).  ``fds``: the memfd (``FD`` kind), or the message's fd list with it at
+    ``i``, which a kept memfd then leaves (-1) in the same step as the segment takes it.
+    A new segment is idle in the receive cache until anchored, so one an exception (a
+    signal handler's) abandons on its way to its anchor is evicted, not mapped for good."""
     global _kept_fds
     seg = _by_key.get(key)
     if seg is not None and seg.mm is not None:
         return seg, False
     name, offset = file_of(key)
-    if fd is None and kind == FD:
+    if type(fds) is not list:
+        fds, i = [-1 if fds is None else fds], 0  # an fd the caller keeps owning
+    if fds[i] < 0 and kind == FD:
         raise ValueError(f"segment {key!r} came without its fd: a corrupt message")
     if not _died.empty() or _cache_bytes > _idle_budget():
         evict_idle()  # what died goes idle, and idle mappings past the budget go first
-    mapfd = fd if kind == FD else posix_shm.open_named(name)
+    budget = ofd_lease.kept_budget()
+    mapfd = fds[i] if kind == FD else posix_shm.open_named(name)
+    seg, took = None, False
     try:
         posix_shm.check_extent(mapfd, offset, size, key)
         seg = new_segment(key, kind, size, table_id, slot, own=False, fd=mapfd)
+        if kind == FD and _kept_fds < budget:
+            # one line of stores, no call: kept by the segment and out of the list
+            took = True; _kept_fds += 1; fds[i] = -1  # noqa: E702
+        elif kind == FD:
+            seg.fd = None
+        else:  # a named segment's fd is not kept: the mapping stays
+            seg.fd = None; os.close(mapfd)  # noqa: E702
+        _by_key[key] = seg
+        _cache_put(seg)
+        _stats.bump("segments_attached")
+        _stats.bump("bytes_attached", size)
     except BaseException:
-        if kind == FS:
-            os.close(mapfd)
+        if seg is None:
+            if kind == FS:
+                os.close(mapfd)
+        elif _by_key.get(key) is not seg:  # never published: unmapped (closing a kept fd)
+            if kind == FD and not took:
+                seg.fd = None
+            seg.close()
         raise
-    took = kind == FD and _kept_fds < ofd_lease.kept_budget()
-    if took:
-        _kept_fds += 1  # kept: this process can forward the segment without a copy
-    else:
-        seg.fd = None
-        if kind == FS:
-            os.close(mapfd)
-    _by_key[key] = seg
-    _stats.bump("segments_attached")
-    _stats.bump("bytes_attached", size)
     return seg, took
 
 

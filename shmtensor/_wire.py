@@ -108,8 +108,8 @@ class RecvContext:
             try:
                 i = self.fds.index(fd)
                 sole = loaded and len(self.claims.get(i, ())) == 1
-                if ofd_lease.establish(table_id, slot, fd, sole):
-                    self.fds[i] = -1  # kept: not closed by loads
+                # kept, it leaves self.fds in the same step (not closed by loads)
+                ofd_lease.establish(table_id, slot, self.fds, sole, i)
             except Exception as e:  # e.g. no locks left: the load fails, nothing leaks
                 error = error or e
         if error is not None:
@@ -191,12 +191,18 @@ def lane_fields(data, fds: list[int], want: int, what: str) -> tuple:
 
 def received_fd(i: int) -> int:
     """The ``i``-th fd that came with the message being unpickled."""
+    return received_fds()[i]
+
+
+def received_fds() -> list[int]:
+    """The fds that came with the message being unpickled: the list itself, from which a
+    rebuild takes (-1) what it keeps, in the same step as it keeps it."""
     ctx: RecvContext | None = getattr(current, "recv", None)
     if ctx is None:
         raise pickle.UnpicklingError(
             "this pickle holds a shmtensor handle and can only be loaded from the shmtensor "
             "channel it was sent on")
-    return ctx.fds[i]
+    return ctx.fds
 
 
 def private_values() -> bool:
