@@ -49,7 +49,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from itertools import islice
+from itertools import islice, starmap
 
 import numpy as np
 
@@ -159,12 +159,14 @@ class Segment:
                 self.file.release()
                 self.file = None
             elif self.fd is not None:
-                try:
-                    os.close(self.fd)
-                except OSError:
-                    pass
+                fd = self.fd
                 if not self.own:
                     _kept_fds -= 1
+                self.fd = None  # before the close: a close cut short never closes it twice
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
             self.fd = None
             if _by_key.get(self.key) is self:
                 del _by_key[self.key]
@@ -284,6 +286,7 @@ def _own_idle_drop(seg: Segment) -> None:
 
 
 _died: queue.SimpleQueue = queue.SimpleQueue()  # segments whose anchor died, to settle
+_settling: list = []  # one taken off _died and not yet settled (see _settle)
 
 
 class _AnchorRef(weakref.ref):
@@ -315,9 +318,16 @@ def _settle() -> bool:
     """Move the segments whose anchor died since into the idle lists (caller holds
     ``_lock``); True when any went idle."""
     went = False
-    while not _died.empty():  # only callers holding _lock take from it
-        seg = _died.get_nowait()
+    settling = _settling
+    while settling or not _died.empty():  # only callers holding _lock take from it
+        if not settling:
+            # recorded as it is taken (starmap and extend are C): an exception (a signal
+            # handler's) never drops a segment between the queue and the idle lists, and
+            # the next call settles what one left here
+            settling.extend(starmap(_died.get_nowait, ((),)))
+        seg = settling[-1]
         if _by_key.get(seg.key) is not seg or seg.alive() or seg.mm is None:
+            settling.pop()
             continue
         if seg.own:
             if seg.pinned:
@@ -325,6 +335,7 @@ def _settle() -> bool:
             _own_idle_put(seg)
         else:
             _cache_put(seg)
+        settling.pop()
         went = True
     return went
 
@@ -374,8 +385,8 @@ def _index(seg: Segment) -> None:
 def _unindex(seg: Segment) -> None:
     with _lock:
         if _by_start.get(seg.address) is seg:
-            del _by_start[seg.address]
-            del _starts[bisect.bisect_left(_starts, seg.address)]
+            i = bisect.bisect_left(_starts, seg.address)
+            del _by_start[seg.address]; del _starts[i]  # noqa: E702 (no call between)
 
 
 # --- own segments ----------------------------------------------------------------------
@@ -774,10 +785,20 @@ def new_segment(key, kind, size, table_id, slot, own, fd, populate=False) -> Seg
     seg.pinned = False  # reserved by a BatchPool: never reused by acquire
     seg.slab = False
     seg.file = None
-    seg.mm = posix_shm.map_fd(fd, size, populate, file_of(key)[1])
-    seg.address = seg.mm.address
-    _by_buffer[id(seg.mm.buffer)] = seg
-    _index(seg)
+    seg.mm = None
+    mapped: list = []
+    try:
+        # the mapping recorded as it is returned (starmap and extend are C), so an
+        # exception (a signal handler's) anywhere after it unmaps it below
+        mapped.extend(starmap(posix_shm.map_fd, ((fd, size, populate, file_of(key)[1]),)))
+        seg.mm = mapped[0]
+        seg.address = seg.mm.address
+        _by_buffer[id(seg.mm.buffer)] = seg
+        _index(seg)
+    except BaseException:
+        seg.fd = None  # the caller's still
+        seg.close()
+        raise
     if _sweeper is None:  # settles what dies while anything is mapped (see _sweep)
         _ensure_sweeper()
     return seg
@@ -796,12 +817,13 @@ def evict_idle(force: bool = False) -> int:
             if not (force or len(_cache) > CACHE_IDLE_COUNT or _cache_bytes > budget
                     or now - seg.idle_since > CACHE_IDLE_SECONDS):
                 break
+            # out of the cache once closed: an exception (a signal handler's) in the middle
+            # leaves it there for the next call to finish (close() resumes where it stopped)
+            if not seg.alive():
+                freed += seg.size
+                seg.close()
+                _stats.bump("segments_evicted")
             _cache_drop(seg)
-            if seg.alive():
-                continue
-            freed += seg.size
-            seg.close()
-            _stats.bump("segments_evicted")
     return freed
 
 
