@@ -72,7 +72,12 @@ class Inject:
         return self._local if frame.f_code.co_filename in _FILES else None
 
     def _local(self, frame, event, arg):
-        if event == "line" and not self.fired and not self._with_exit(frame):
+        # not inside an ``except`` block either: CPython >= 3.11 leaves the handled
+        # exception set for good when a trace function raises at such a line (the spin's
+        # ``except BlockingIOError: pass``), keeping its frames and their queues alive;
+        # a signal handler cannot run before the block's first call
+        if (event == "line" and not self.fired and not self._with_exit(frame)
+                and sys.exc_info()[0] is None):
             self.left -= 1
             if self.left == 0:
                 self.fired = True
