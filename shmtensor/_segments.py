@@ -330,7 +330,8 @@ def _settle() -> bool:
             settling.pop()
             continue
         if seg.own:
-            if seg.pinned:
+            if seg.pinned:  # a BatchPool's slot: free again, never reused by acquire
+                settling.pop()
                 continue
             _own_idle_put(seg)
         else:
