@@ -21,25 +21,9 @@ pytestmark = [pytest.mark.requires_cuda,
 two_gpus = pytest.mark.skipif(shmtensor.cuda.device_count() < 2, reason="needs two GPUs")
 
 
-@pytest.fixture
-def cp():
-    import cupy
-    cupy.zeros(1)  # CUDA initialised in the main thread, as in the programs that failed
-    return cupy
-
-
-@pytest.fixture
-def ctx():
-    return smp.get_context("spawn")
-
-
-@pytest.fixture(params=["ipc", "vmm"])
-def kind(request, cp):
-    """Where this process's CuPy arrays live: CuPy's pool (legacy CUDA IPC) or shared VMM."""
-    if request.param == "vmm":
-        shmtensor.cuda.set_allocator()
-    yield request.param
-    cp.cuda.set_allocator(cp.get_default_memory_pool().malloc)
+# the fixtures of the CUDA tests: CUDA initialised in the main thread, the spawn context,
+# and where CuPy allocates (its pool or shared VMM)
+from test_cuda import cp, ctx, kind  # noqa: E402,F401
 
 
 @pytest.mark.parametrize("channel", ["queue", "pipe"])
