@@ -18,28 +18,43 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from importlib.machinery import ModuleSpec
+    from typing import TypeAlias
+
+    from ._wire import Payload, SendContext
+
+    # reduce(obj): a __reduce__ value, (rebuild, args) and optionally state and the rest
+    Reduce: TypeAlias = Callable[[Any], tuple[Any, ...]]
+    # lane(obj): the message (payload and what travels with it) without a pickler, or None
+    Lane: TypeAlias = Callable[[Any], tuple[bytes, SendContext] | None]
+    # loads(data, fds): the object of a lane message; closes every fd it does not keep
+    LaneLoads: TypeAlias = Callable[[Payload, list[int]], object]
+    Stats: TypeAlias = Callable[[], dict[str, int]]  # an adapter's debug_info() counters
 
 _lock = threading.Lock()
-_reducers: dict[type, Callable] = {}           # type -> reduce(obj) -> (fn, args)
-_lanes: dict[type, Callable] = {}              # type -> dumps(obj) -> (payload, ctx) | None
-_lane_kinds: dict[bytes, Callable] = {}        # 2-byte message kind -> loads(data, fds)
+_reducers: dict[type, Reduce] = {}             # type -> reduce(obj) -> (fn, args)
+_lanes: dict[type, Lane] = {}                  # type -> dumps(obj) -> (payload, ctx) | None
+_lane_kinds: dict[bytes, LaneLoads] = {}       # 2-byte message kind -> loads(data, fds)
 _lazy: dict[str, list[Callable[[], None]]] = {}  # top-level module -> installers to run
-_stats: list[Callable[[], dict]] = []          # debug_info() counters of adapters
+_stats: list[Stats] = []                       # debug_info() counters of adapters
 _on_import: dict[str, list[Callable[[ModuleType], None]]] = {}  # module -> after_import hooks
 _installing = threading.local()  # .added: what the installer running in this thread registered
 version = 0
 
 
-def _record(table: dict, key) -> None:
+def _record(table: dict[Any, Any], key: object) -> None:
     """Note that the installer running in this thread (if any) registered ``table[key]``."""
     added = getattr(_installing, "added", None)
     if added is not None:
         added.append((table, key, table[key]))
 
 
-def register(cls: type, reduce: Callable, lane: Callable | None = None) -> None:
+def register(cls: type, reduce: Reduce, lane: Lane | None = None) -> None:
     """Pickle instances of exactly ``cls`` with ``reduce`` on shmtensor's channels; a
     ``lane`` sends a message that is one such object without a pickler (it returns
     ``(payload, SendContext)``, or None to take the pickler)."""
@@ -53,7 +68,7 @@ def register(cls: type, reduce: Callable, lane: Callable | None = None) -> None:
         version += 1
 
 
-def register_lane_kind(kind: bytes, loads: Callable) -> None:
+def register_lane_kind(kind: bytes, loads: LaneLoads) -> None:
     """Messages whose payload starts with ``kind`` (two bytes, the first 0) are loaded by
     ``loads(data, fds)``, which closes every fd it does not keep."""
     if len(kind) != 2 or kind[0] != 0:
@@ -96,7 +111,8 @@ class _ImportHook:
     loader of the spec that the finders after it give for a watched module, and leaves
     ``sys.meta_path`` once no module is watched."""
 
-    def find_spec(self, name, path=None, target=None):
+    def find_spec(self, name: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> ModuleSpec | None:
         if name not in _on_import:
             return None
         try:
@@ -105,7 +121,7 @@ class _ImportHook:
             return None
         for finder in later:
             find = getattr(finder, "find_spec", None)
-            spec = find(name, path, target) if find is not None else None
+            spec: ModuleSpec | None = find(name, path, target) if find is not None else None
             if spec is not None:
                 break
         else:
@@ -123,14 +139,14 @@ class _ImportHook:
             for hook in hooks:
                 hook(module)
 
-        try:
-            spec.loader.exec_module = exec_module_then_hooks
+        try:  # this loader's own exec_module (found above), wrapped on the instance
+            cast(Any, spec.loader).exec_module = exec_module_then_hooks
         except AttributeError:  # a loader that takes no attribute: the hooks wait
             pass
         return spec
 
 
-def register_stats(fn: Callable[[], dict]) -> None:
+def register_stats(fn: Stats) -> None:
     """Add ``fn()``'s counters to :func:`shmtensor.debug_info`."""
     with _lock:
         _stats.append(fn)
@@ -157,6 +173,7 @@ def _install(module: str, install: Callable[[], None]) -> None:
     and report it once (see the module docs); the caller goes on as if it had none."""
     global version
     outer = getattr(_installing, "added", None)  # an installer may install another first
+    added: list[tuple[dict[Any, Any], object, object]]  # (table, key, value) it registered
     _installing.added = added = []
     try:
         install()
@@ -171,7 +188,7 @@ def _install(module: str, install: Callable[[], None]) -> None:
         _installing.added = outer
 
 
-def _report_failed(module: str, install: Callable, error: Exception) -> None:
+def _report_failed(module: str, install: Callable[[], None], error: Exception) -> None:
     import logging
     where = getattr(sys.modules.get(module), "__file__", None) or "an unknown location"
     logging.getLogger("shmtensor").warning(
@@ -183,18 +200,18 @@ def _report_failed(module: str, install: Callable, error: Exception) -> None:
         module, where)
 
 
-def tables() -> tuple[dict, dict]:
+def tables() -> tuple[dict[type, Reduce], dict[type, Lane]]:
     """Copies of the reducers and the lanes, for a pickler's dispatch table."""
     with _lock:
         return dict(_reducers), dict(_lanes)
 
 
-def lane_loader(kind: bytes) -> Callable | None:
+def lane_loader(kind: bytes) -> LaneLoads | None:
     return _lane_kinds.get(kind)
 
 
-def stats() -> dict:
-    out: dict = {}
+def stats() -> dict[str, int]:
+    out: dict[str, int] = {}
     for fn in list(_stats):
         out.update(fn())
     return out

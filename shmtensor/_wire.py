@@ -13,10 +13,19 @@ from __future__ import annotations
 
 import pickle
 import threading
+from collections.abc import Callable, Hashable
+from typing import Any, TypeAlias, cast
 
 from shmtensor.ipc import ofd_lease, scm_rights
 
 current = threading.local()  # .send: SendContext, .recv: RecvContext of this thread's message
+
+# A message's bytes as a channel's reader hands them over (a large one is read into a
+# bytearray), for the loaders.
+Payload: TypeAlias = bytes | bytearray
+# Holds that a message being loaded made real only once it is loaded: (lease table id,
+# slot, the in-flight description's fd), appended by ``ofd_lease.hold``.
+Deferred: TypeAlias = list[tuple[str, int, int]]
 
 
 class SendContext:
@@ -33,9 +42,10 @@ class SendContext:
     def __init__(self) -> None:
         self.fds: list[int] = []
         self.owned: list[int] = []   # in-flight lock descriptions: closed once sent
-        self.keep: list = []          # anchors that must outlive the send
-        self.inflight: dict[tuple, tuple[int, list[int]]] = {}  # (table, file) -> fd index, slots
-        self.memo: dict = {}          # what reducers did once for the whole message
+        self.keep: list[object] = []  # anchors that must outlive the send
+        # (table, file) -> fd index, slots
+        self.inflight: dict[tuple[str, int], tuple[int, list[int]]] = {}
+        self.memo: dict[Hashable, Any] = {}  # what reducers did once for the whole message
 
     def wire_fds(self) -> list[int]:
         """The fds to send: segment fds plus one fresh in-flight description per lease
@@ -67,7 +77,7 @@ class LaneContext(SendContext):
 
     __slots__ = ("table_id", "slot")
 
-    def __init__(self, keep, fd: int | None, table_id: str, slot: int) -> None:
+    def __init__(self, keep: object, fd: int | None, table_id: str, slot: int) -> None:
         self.keep = [keep]
         self.fds = [-1] if fd is None else [fd, -1]
         self.owned = []
@@ -94,10 +104,11 @@ class RecvContext:
     def __init__(self, fds: list[int], private: bool = False) -> None:
         self.fds = fds
         self.private = private
-        self.after: list = []
-        self.memo: dict = {}
-        self.claims: dict[int, set] = {}  # in-flight description's index -> slots it covers
-        self.deferred: list = []          # holds to make real once loaded (ofd_lease.hold)
+        self.after: list[Callable[[], object]] = []
+        self.memo: dict[Hashable, Any] = {}
+        # in-flight description's index -> the (table id, slot)s it covers
+        self.claims: dict[int, set[tuple[str, int]]] = {}
+        self.deferred: Deferred = []  # holds to make real once loaded (ofd_lease.hold)
 
     def establish(self, loaded: bool) -> None:
         """Make the deferred holds real, keeping a description that covers one slot (only
@@ -136,7 +147,7 @@ def inflight_index(table_id: str, slot: int) -> int:
     return entry[0]
 
 
-def keep_alive(obj) -> None:
+def keep_alive(obj: object) -> None:
     """Keep ``obj`` alive until the message being pickled has been sent."""
     send_context().keep.append(obj)
 
@@ -149,14 +160,14 @@ def attach_fd(fd: int) -> int:
     return len(ctx.fds) - 1
 
 
-def message_memo() -> dict:
+def message_memo() -> dict[Hashable, Any]:
     """A dict that lives as long as the message being pickled or unpickled: for work done
     once per message, whatever the number of arrays in it."""
-    ctx = getattr(current, "recv", None)
+    ctx: RecvContext | None = getattr(current, "recv", None)
     return (ctx if ctx is not None else send_context()).memo
 
 
-def after_loading(fn) -> None:
+def after_loading(fn: Callable[[], object]) -> None:
     """Call ``fn()`` once the message being unpickled is loaded (or failed to load)."""
     current.recv.after.append(fn)
 
@@ -168,12 +179,12 @@ def take_received_fd(i: int) -> int:
     return fd
 
 
-def received_lease(table_id: str, slot: int, lock_i: int) -> tuple[int, list]:
+def received_lease(table_id: str, slot: int, lock_i: int) -> tuple[int, Deferred]:
     """The in-flight description ``lock_i`` that covers ``slot`` of ``table_id`` in the
     message being unpickled, and the list to give ``ofd_lease.hold`` as ``deferred``: a new
     hold is made real when the message is loaded, by keeping that description itself when
     it covers this one slot alone."""
-    ctx = current.recv
+    ctx: RecvContext = current.recv
     claims = ctx.claims.get(lock_i)
     if claims is None:
         claims = ctx.claims[lock_i] = set()
@@ -181,12 +192,12 @@ def received_lease(table_id: str, slot: int, lock_i: int) -> tuple[int, list]:
     return ctx.fds[lock_i], ctx.deferred
 
 
-def lane_fields(data, fds: list[int], want: int, what: str) -> tuple:
+def lane_fields(data: Payload, fds: list[int], want: int, what: str) -> tuple[Any, ...]:
     """The fields of a lane message (a 2-byte kind, then a plain pickle), once it is known
     to have come with ``want`` fds."""
     if len(fds) != want:
         raise pickle.UnpicklingError(f"{what} came with {len(fds)} fds, not {want}")
-    return pickle.loads(memoryview(data)[2:])
+    return cast("tuple[Any, ...]", pickle.loads(memoryview(data)[2:]))
 
 
 def received_fd(i: int) -> int:
