@@ -20,12 +20,31 @@ import sys
 import types
 from collections import ChainMap
 from collections.abc import Callable
-from multiprocessing.reduction import ForkingPickler
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from shmtensor.ipc import scm_rights
 
 from . import _log, _registry, _wire
-from ._wire import RecvContext, SendContext
+from ._wire import RecvContext
+from ._wire import SendContext as SendContext  # re-exported: the channels annotate with it
+
+if TYPE_CHECKING:
+    from multiprocessing.reduction import ForkingPickler as _StdForkingPickler
+    from typing import Protocol
+
+    from ._registry import Lane, LaneLoads
+    from ._wire import Payload
+
+    class ForkingPickler(_StdForkingPickler):
+        # the stdlib's class-level reducer table, which typeshed leaves out
+        _extra_reducers: ClassVar[dict[type, Callable[[Any], Any]]]
+
+    class _ExceptionWithTraceback(Protocol):
+        """``multiprocessing.pool.ExceptionWithTraceback``, which typeshed leaves out."""
+        exc: BaseException
+        tb: str
+else:
+    from multiprocessing.reduction import ForkingPickler
 
 # A message that is one shared numpy array goes without a pickler (``_numpy.lane_dumps``):
 # this kind, then the array's fields.
@@ -39,14 +58,17 @@ def _install_numpy() -> None:
 
 def _install_pool() -> None:
     """multiprocessing.pool was imported: a pool worker's exception crosses as itself."""
-    from multiprocessing.pool import ExceptionWithTraceback
+    # a private name of the stdlib's pool, which typeshed leaves out
+    from multiprocessing.pool import ExceptionWithTraceback  # type: ignore[attr-defined]
     _registry.register(ExceptionWithTraceback, _reduce_exception_with_traceback)
 
 
-def _reduce_exception_with_traceback(e):
+def _reduce_exception_with_traceback(
+        e: _ExceptionWithTraceback) -> tuple[Callable[..., BaseException], tuple[object, ...]]:
     """A pool worker's exception: itself when the caller can rebuild it, else a stand-in."""
     import cloudpickle
-    from multiprocessing.pool import rebuild_exc
+    # a private name of the stdlib's pool, which typeshed leaves out
+    from multiprocessing.pool import rebuild_exc  # type: ignore[attr-defined]
     exc = e.exc
     try:
         pickle.loads(cloudpickle.dumps(exc))
@@ -83,9 +105,10 @@ class _Pickler(pickle.Pickler):
     multiprocessing's and copyreg's, in one plain dict (rebuilt when a reducer is registered
     anywhere, or a lazily registered library such as CuPy is imported)."""
 
-    dispatch_table: dict = {}
-    lanes: dict = {}  # type -> f(obj): (payload, SendContext) without a pickler, or None
-    _signature: tuple = ()
+    dispatch_table: dict[type, Callable[[Any], Any]] = {}
+    # type -> f(obj): (payload, SendContext) without a pickler, or None
+    lanes: dict[type, Lane] = {}
+    _signature: tuple[int, ...] = ()
 
     @classmethod
     def refresh(cls) -> None:
@@ -102,10 +125,11 @@ class _Pickler(pickle.Pickler):
             cls.dispatch_table, cls._signature = table, sig
 
 
-_CloudPickler = None  # the by-value pickler class, made by the first message that needs it
+# the by-value pickler class, made by the first message that needs it
+_CloudPickler: type[Any] | None = None
 
 
-def _cloud_pickler() -> type:
+def _cloud_pickler() -> type[pickle.Pickler]:
     """The fallback pickler: the same reducers, and functions or classes that cannot be
     imported by name (lambdas, closures, those of a ``__main__`` without a main file) travel
     by value (cloudpickle, imported by the first message that needs it).  What a by-value
@@ -115,10 +139,11 @@ def _cloud_pickler() -> type:
     global _CloudPickler
     import cloudpickle
     if _CloudPickler is None:
-        class CloudPickler(cloudpickle.Pickler):
-            table: dict = {}  # the fast pickler's table this one's is made from
+        class CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle: untyped
+            # the fast pickler's table this one's is made from
+            table: dict[type, Callable[[Any], Any]] = {}
 
-            def reducer_override(self, obj):
+            def reducer_override(self, obj: object) -> object:
                 t = type(obj)
                 if (t is types.FunctionType or issubclass(t, type)) and _named_in_main(obj):
                     return NotImplemented  # pickle's save_global: by name, as the stdlib does
@@ -133,7 +158,8 @@ def _cloud_pickler() -> type:
     return _CloudPickler
 
 
-_main_seen: tuple = (None, False)  # the __main__ module last looked at, and the verdict
+# the __main__ module last looked at, and the verdict
+_main_seen: tuple[types.ModuleType | None, bool] = (None, False)
 
 
 def _main_by_reference() -> bool:
@@ -151,20 +177,20 @@ def _main_by_reference() -> bool:
     return ok
 
 
-def _named_in_main(obj) -> bool:
+def _named_in_main(obj: object) -> bool:
     """``obj`` (a function or class) is ``__main__``'s, found there by its name, and
     ``__main__`` goes by name (:func:`_main_by_reference`)."""
     qualname = getattr(obj, "__qualname__", None)
     if (getattr(obj, "__module__", None) != "__main__" or not isinstance(qualname, str)
             or not _main_by_reference()):
         return False
-    found = sys.modules["__main__"]
+    found: object = sys.modules["__main__"]
     for part in qualname.split("."):  # '<locals>' is never found
         found = getattr(found, part, None)
     return found is obj
 
 
-def _dump(pickler_cls, obj) -> tuple[bytes, SendContext]:
+def _dump(pickler_cls: type[pickle.Pickler], obj: object) -> tuple[bytes, SendContext]:
     ctx = SendContext()
     prev = getattr(_wire.current, "send", None)
     _wire.current.send = ctx
@@ -187,7 +213,7 @@ _SCAN_MAIN_UPTO = 1 << 16  # larger messages are data; a function in one is sent
 _BY_NAME_ERRORS = (pickle.PicklingError, AttributeError, TypeError)
 
 
-def dumps(obj, undo: Callable[[], object] | None = None) -> tuple[bytes, SendContext]:
+def dumps(obj: object, undo: Callable[[], object] | None = None) -> tuple[bytes, SendContext]:
     """Pickle ``obj`` for a shmtensor channel: the bytes and what must travel with them.
 
     By reference first, as the stdlib pickles (the fast pickler); by value (cloudpickle)
@@ -220,7 +246,8 @@ def dumps(obj, undo: Callable[[], object] | None = None) -> tuple[bytes, SendCon
     return _dump_by_value(obj, undo, None)
 
 
-def _dump_by_value(obj, undo, first: BaseException | None) -> tuple[bytes, SendContext]:
+def _dump_by_value(obj: object, undo: Callable[[], object] | None,
+                   first: BaseException | None) -> tuple[bytes, SendContext]:
     """The second try, after ``first`` (the fast pickler's error, if it failed)."""
     if undo is not None:
         undo()
@@ -245,7 +272,7 @@ def _dump_by_value(obj, undo, first: BaseException | None) -> tuple[bytes, SendC
 _RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOLCK)
 
 
-def loads(data, fds: list[int], private: bool = False):
+def loads(data: Payload, fds: list[int], private: bool = False) -> Any:
     """Unpickle a message from a shmtensor channel; closes every fd it did not keep.  A
     message that cannot be loaded for want of an fd or a lock is lost (it was read off the
     channel), and the error says so.  ``private``: see ``_rebuild_array``."""
@@ -257,7 +284,7 @@ def loads(data, fds: list[int], private: bool = False):
         raise OSError(e.errno, f"{e.strerror}; the message was received and discarded") from e
 
 
-def _loads(data, fds: list[int], private: bool = False):
+def _loads(data: Payload, fds: list[int], private: bool = False) -> Any:
     if not fds:
         return pickle.loads(data)
     if data and data[0] == 0:  # a lane: pickle data starts with PROTO (0x80)
@@ -281,7 +308,7 @@ def _loads(data, fds: list[int], private: bool = False):
             scm_rights.close_fds(fds)
 
 
-def _lane_loads(data, fds: list[int]):
+def _lane_loads(data: Payload, fds: list[int]) -> object:
     """A message sent without a pickler (see ``_Pickler.lanes``): one object, loaded by the
     lane kind's registered loader."""
     kind = bytes(data[:2])
@@ -295,11 +322,12 @@ def _lane_loads(data, fds: list[int]):
     return loader(data, fds)
 
 
-_numpy_lane = None  # _numpy.lane_loads, once the first numpy lane message imported it
+# _numpy.lane_loads, once the first numpy lane message imported it
+_numpy_lane: LaneLoads | None = None
 
 
-def _numpy_lane_loads(data, fds: list[int]):
+def _numpy_lane_loads(data: Payload, fds: list[int]) -> object:
     """A numpy lane message: numpy's adapter loads it (imported by the first one)."""
     global _numpy_lane
     from ._numpy import lane_loads as _numpy_lane
-    return _numpy_lane(data, fds)
+    return _numpy_lane(data, fds)  # type: ignore[misc]  # bound by the import above
