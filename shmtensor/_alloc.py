@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import Any, Literal, TypeGuard, cast
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from . import _segments, _strategy
 
@@ -13,8 +15,9 @@ __all__ = ["empty", "zeros", "ones", "full", "empty_like", "zeros_like", "share_
            "is_shared"]
 
 
-def _shape(shape) -> tuple[int, ...]:
-    """``shape`` as a tuple of ints, refused in numpy's words when it is not one."""
+def _shape(shape: Any) -> tuple[int, ...]:
+    """``shape`` (whatever the caller passed) as a tuple of ints, refused in numpy's words
+    when it is not one."""
     if type(shape) is tuple and all(type(n) is int and n >= 0 for n in shape):
         return shape  # the common case, checked cheaply
     try:
@@ -29,10 +32,10 @@ def _shape(shape) -> tuple[int, ...]:
                             "integer") from None
     if any(n < 0 for n in shape):
         raise ValueError("negative dimensions are not allowed")
-    return shape
+    return cast("tuple[int, ...]", shape)  # made of operator.index() results above
 
 
-def _dtype(dtype) -> np.dtype:
+def _dtype(dtype: DTypeLike) -> np.dtype[Any]:
     dtype = np.dtype(dtype)
     if dtype.hasobject:
         raise TypeError(f"dtype {dtype} holds Python objects, which cannot live in shared "
@@ -40,11 +43,12 @@ def _dtype(dtype) -> np.dtype:
     return dtype
 
 
-_dtypes: dict = {}  # dtype argument -> checked np.dtype, for the hashable common ones
+# dtype argument -> checked np.dtype, for the hashable common ones
+_dtypes: dict[object, np.dtype[Any]] = {}
 
 
-def empty(shape: int | tuple[int, ...], dtype: object = float,
-          order: str = "C") -> np.ndarray:
+def empty(shape: int | tuple[int, ...], dtype: DTypeLike = float,
+          order: Literal["C", "F"] = "C") -> np.ndarray:
     """An uninitialised array in shared memory, like :func:`numpy.empty`.
 
     The result is a plain ``numpy.ndarray`` whose memory is shared: it crosses every
@@ -81,15 +85,16 @@ def empty(shape: int | tuple[int, ...], dtype: object = float,
         raise ValueError(f"order must be 'C' or 'F', got {order!r}")
     nbytes = dt.itemsize * math.prod(shape)
     kind = _strategy.get_sharing_strategy()
+    # the casts below: numpy's stubs give the ndarray constructor's result as Any
     if nbytes <= _segments.SLAB_ITEM_MAX:
         anchor, offset = _segments.carve(nbytes, kind)
-        return np.ndarray(shape, dt, anchor, offset, order=order)
+        return cast("np.ndarray", np.ndarray(shape, dt, anchor, offset, order=order))
     _, anchor = _segments.acquire(nbytes, kind)
-    return np.ndarray(shape, dt, anchor, order=order)
+    return cast("np.ndarray", np.ndarray(shape, dt, anchor, order=order))
 
 
-def zeros(shape: int | tuple[int, ...], dtype: object = float,
-          order: str = "C") -> np.ndarray:
+def zeros(shape: int | tuple[int, ...], dtype: DTypeLike = float,
+          order: Literal["C", "F"] = "C") -> np.ndarray:
     """An array of zeros in shared memory, like :func:`numpy.zeros` (see :func:`empty`).
 
     >>> import shmtensor
@@ -101,8 +106,8 @@ def zeros(shape: int | tuple[int, ...], dtype: object = float,
     return a
 
 
-def ones(shape: int | tuple[int, ...], dtype: object = float,
-         order: str = "C") -> np.ndarray:
+def ones(shape: int | tuple[int, ...], dtype: DTypeLike = float,
+         order: Literal["C", "F"] = "C") -> np.ndarray:
     """An array of ones in shared memory, like :func:`numpy.ones` (see :func:`empty`).
 
     >>> import shmtensor
@@ -114,8 +119,8 @@ def ones(shape: int | tuple[int, ...], dtype: object = float,
     return a
 
 
-def full(shape: int | tuple[int, ...], fill_value: object, dtype: object = None,
-         order: str = "C") -> np.ndarray:
+def full(shape: int | tuple[int, ...], fill_value: object, dtype: DTypeLike | None = None,
+         order: Literal["C", "F"] = "C") -> np.ndarray:
     """An array filled with ``fill_value`` in shared memory, like :func:`numpy.full`; the
     dtype is ``fill_value``'s when not given (see :func:`empty`).
 
@@ -130,18 +135,18 @@ def full(shape: int | tuple[int, ...], fill_value: object, dtype: object = None,
     return a
 
 
-def _like_order(a: np.ndarray) -> str:
+def _like_order(a: np.ndarray) -> Literal["C", "F"]:
     return "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
 
 
-def empty_like(a: object, dtype: object = None) -> np.ndarray:
+def empty_like(a: ArrayLike, dtype: DTypeLike | None = None) -> np.ndarray:
     """An uninitialised shared array with ``a``'s shape, dtype (unless given) and memory
     order (C, or Fortran when ``a`` is only Fortran-contiguous).  See :func:`empty`."""
     a = np.asanyarray(a)
     return empty(a.shape, a.dtype if dtype is None else dtype, _like_order(a))
 
 
-def zeros_like(a: object, dtype: object = None) -> np.ndarray:
+def zeros_like(a: ArrayLike, dtype: DTypeLike | None = None) -> np.ndarray:
     """A shared array of zeros shaped like ``a`` (see :func:`empty_like`).
 
     >>> import numpy as np, shmtensor
@@ -152,7 +157,7 @@ def zeros_like(a: object, dtype: object = None) -> np.ndarray:
     return zeros(a.shape, a.dtype if dtype is None else dtype, _like_order(a))
 
 
-def is_shared(a: object) -> bool:
+def is_shared(a: object) -> TypeGuard[np.ndarray]:
     """True when ``a`` is a numpy array (or a view of one) whose memory is a shmtensor
     segment: it crosses processes as a handle, not as a copy.
 
@@ -163,7 +168,7 @@ def is_shared(a: object) -> bool:
     return isinstance(a, np.ndarray) and _segments.segment_of(a) is not None
 
 
-def share_memory(a: object) -> np.ndarray:
+def share_memory(a: ArrayLike) -> np.ndarray:
     """``a`` itself when it is already shared, else a copy of it in shared memory with the
     same shape, dtype and memory order.  Copy once, then send it as often as needed.
 
