@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -105,7 +105,9 @@ class BatchPool:
             seg = self._segments[(self._next + i) % n]
             if self._free(seg):
                 self._next = (self._next + i + 1) % n
-                return np.ndarray(self.shape, self.dtype, buffer=seg.anchor(), order=self.order)
+                # the cast: numpy's stubs give the ndarray constructor's result as Any
+                return cast("np.ndarray", np.ndarray(self.shape, self.dtype, buffer=seg.anchor(),
+                                                     order=self.order))
         return None
 
     def acquire(self, timeout: float | None = None, *,

@@ -7,10 +7,18 @@ nothing heavy until a test uses it.
 
 from __future__ import annotations
 
+from collections.abc import Generator, Iterator
+from typing import TYPE_CHECKING
+
 import pytest
 
+if TYPE_CHECKING:
+    from pluggy import Result
 
-def pytest_addoption(parser):
+    from shmtensor.testing import leak_checker
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("shmtensor")
     group.addoption("--shmtensor-leak-check", action="store_true", default=False,
                     help="fail every test that leaves shmtensor segments, fds or child "
@@ -20,7 +28,7 @@ def pytest_addoption(parser):
 
 
 @pytest.fixture
-def shm_leak_checker(request):
+def shm_leak_checker(request: pytest.FixtureRequest) -> Iterator[leak_checker]:
     """A :class:`shmtensor.testing.leak_checker` around this test; ``.check_pid(pid)`` adds
     processes to check."""
     from shmtensor.testing import leak_checker
@@ -29,7 +37,7 @@ def shm_leak_checker(request):
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, Result[None], None]:
     if not item.config.getoption("--shmtensor-leak-check"):
         yield
         return

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from types import TracebackType
 
-import psutil  # type: ignore[import-untyped]  # no stubs in the package's dependencies
+import psutil
 
 from shmtensor.ipc import cuda_ipc, janitor, ofd_lease, posix_shm, procfs
 
