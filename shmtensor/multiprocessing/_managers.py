@@ -14,6 +14,7 @@ unpickler imports this module, which registers the name, before it rebuilds the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from multiprocessing import connection as _mpc
 from multiprocessing.context import BaseContext
 from typing import Any
@@ -29,7 +30,7 @@ class _SerializerName(str):
 
     __slots__ = ()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[], str], tuple[()]]:
         return _serializer, ()
 
 
@@ -41,16 +42,18 @@ def _serializer() -> str:
 SERIALIZER = _SerializerName("shmtensor")
 
 
-def _wrap(conn):
+# The ignores below: private names of the stdlib's connection and managers modules, which
+# typeshed leaves out.
+def _wrap(conn: _mpc.Connection[Any, Any]) -> Connection:
     """The same socket as a shmtensor Connection (the stdlib one gives up its handle)."""
-    handle, conn._handle = conn._handle, None
+    handle, conn._handle = conn._handle, None  # type: ignore[attr-defined]
     return Connection(handle, conn.readable, conn.writable)
 
 
 class _Listener(_mpc.Listener):
-    def accept(self):
+    def accept(self) -> _mpc.Connection[Any, Any]:
         conn = super().accept()
-        if self._listener._family != "AF_UNIX":
+        if self._listener._family != "AF_UNIX":  # type: ignore[attr-defined]
             return conn
         conn = _wrap(conn)
         # The server keeps values: a plain array a client stores is the server's own copy,
@@ -59,12 +62,14 @@ class _Listener(_mpc.Listener):
         return conn
 
 
-def _Client(address, family=None, authkey=None):
+def _Client(address: str | tuple[str, int], family: str | None = None,
+            authkey: bytes | None = None) -> _mpc.Connection[Any, Any]:
     conn = _mpc.Client(address, family, authkey)
-    return _wrap(conn) if _mpc.address_type(address) == "AF_UNIX" else conn
+    return (_wrap(conn) if _mpc.address_type(address) == "AF_UNIX"  # type: ignore[attr-defined]
+            else conn)
 
 
-_mpm.listener_client.setdefault(SERIALIZER, (_Listener, _Client))
+_mpm.listener_client.setdefault(SERIALIZER, (_Listener, _Client))  # type: ignore[attr-defined]
 
 
 class SyncManager(_mpm.SyncManager):
