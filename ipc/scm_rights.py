@@ -275,7 +275,9 @@ class FrameReader:
             try:
                 frame.result.extend(map(frame.hand_to, (load,), (extra,)))
             except BaseException:
-                if frame.started:
+                # raised in load: the frame is discarded; raised as extend returned
+                # (where a handler runs after a call): the result stays for the next call
+                if frame.started and not frame.result:
                     frame.dead = True
                     self._drop(frame)
                 raise

@@ -1,15 +1,16 @@
 """A receive is atomic with respect to exceptions (issue 26, item 7 and item 3's maxsize).
 
-An exception raised at any line of the receive path (what a signal handler that raises,
+An exception raised at any point of the receive path (what a signal handler that raises,
 such as SIGINT's, does) leaves the message delivered by that call or by the next one,
 never half a frame in the socket, no fd open and the producer's segment released.  The
-exception is injected with ``sys.settrace`` at every line, in turn, of the code of
-``ipc.scm_rights``, ``_connection`` and ``_queues`` that a receive runs.
+exception is injected with ``sys.settrace`` at every point where a signal handler can run
+(see :class:`Inject`), in turn, in the code of ``ipc.scm_rights``, ``_connection`` and
+``_queues`` that a receive runs.
 """
 
 from __future__ import annotations
 
-import linecache
+import dis
 import os
 import pickle
 import socket
@@ -35,53 +36,74 @@ class Injected(Exception):
 
 
 class Inject:
-    """Raise :class:`Injected` at the ``k``-th line run in the receive path's files.
+    """Raise :class:`Injected` at the ``k``-th point of the receive path's files where a
+    signal handler can run.
 
-    Not at a line whose first call releases a queue's read lock, nor where CPython
-    reports a ``with`` statement's line again as its block exits: a trace function can
-    raise there, before the release, but a signal handler runs only at calls and loops
-    (no line before the release has either).  The stdlib's ``Queue.get`` releases its read
-    lock in the Lock's ``__exit__``, which is Python code, where a handler does run: the
-    queues here call its C ``acquire`` and ``release`` instead."""
+    CPython runs a pending handler only at its eval-breaker checks: as a function begins
+    (``RESUME``), at a backward jump, and as a call of anything but a Python function
+    returns (a C function, a class, an object's ``__call__``; a Python function called from
+    Python runs in the same loop, and its own checks stand for its return).  Each point is
+    an ``opcode`` trace event: a jump or ``RESUME`` about to run, or the instruction after
+    such a call (seen as the ``c_return`` of a C function, or the ``call`` of a special
+    method, in that frame since its call began).  Raising there is what a handler that
+    raises (SIGINT's) does at that point: a point between a line's statements or inside a
+    ``with`` block's exit is covered exactly, and nothing is raised where no handler runs."""
+
+    _CALLS = frozenset(op for op in dis.opmap if op.startswith("CALL"))
+    _CHECKS = frozenset(op for op in dis.opmap if op == "RESUME"
+                        or (op.startswith(("JUMP_BACKWARD", "POP_JUMP_BACKWARD"))
+                            and not op.endswith("NO_INTERRUPT")))
 
     def __init__(self) -> None:
-        self._seen: set = set()
-
-    def _with_exit(self, frame) -> bool:
-        key = (frame.f_code, frame.f_lineno)
-        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip()
-        if "rlock.release()" in line:
-            return True  # the release is the line's first call: no handler runs before it
-        if not line.startswith("with "):
-            return False
-        if (id(frame), key) in self._seen:
-            return True
-        self._seen.add((id(frame), key))
-        return False
+        self._prev: dict[int, str] = {}     # frame -> the last instruction it ran
+        self._checked: set[int] = set()     # frames whose running call ends with a check
 
     def arm(self, k: int) -> None:
         self.left, self.fired, self.where, self.in_load = k, False, None, False
-        self._seen.clear()
+        self._prev.clear()
+        self._checked.clear()
+        sys.setprofile(self._profile)
         sys.settrace(self._global)
 
     def disarm(self) -> bool:
         sys.settrace(None)
+        sys.setprofile(None)
         return self.fired
 
+    def _profile(self, frame, event, arg):
+        if event in ("c_return", "c_exception"):
+            self._checked.add(id(frame))
+        elif event == "call" and frame.f_back is not None:
+            name = frame.f_code.co_name
+            if name.startswith("__") and name.endswith("__"):  # called through a slot
+                self._checked.add(id(frame.f_back))
+
     def _global(self, frame, event, arg):
-        return self._local if frame.f_code.co_filename in _FILES else None
+        if frame.f_code.co_filename not in _FILES:
+            return None
+        frame.f_trace_opcodes = True
+        self._prev[id(frame)] = "RESUME"
+        return self._local
 
     def _local(self, frame, event, arg):
-        # not inside an ``except`` block either: CPython >= 3.11 leaves the handled
-        # exception set for good when a trace function raises at such a line (the spin's
-        # ``except BlockingIOError: pass``), keeping its frames and their queues alive;
-        # a signal handler cannot run before the block's first call
-        if (event == "line" and not self.fired and not self._with_exit(frame)
-                and sys.exc_info()[0] is None):
+        if event != "opcode" or self.fired:
+            return self._local
+        key = id(frame)
+        op = dis.opname[frame.f_code.co_code[frame.f_lasti]]
+        point = (self._prev.get(key) in self._CALLS and key in self._checked) or op in self._CHECKS
+        self._prev[key] = op
+        if op in self._CALLS:
+            self._checked.discard(key)
+        # not inside an ``except`` block: CPython >= 3.11 leaves the handled exception set
+        # for good when a trace function raises there (the spin's ``except
+        # BlockingIOError: pass``), keeping its frames and their queues alive; such a
+        # block raises on with its own exception in any case
+        if point and sys.exc_info()[0] is None:
             self.left -= 1
             if self.left == 0:
                 self.fired = True
-                self.where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+                self.where = (f"{os.path.basename(frame.f_code.co_filename)}:"
+                              f"{frame.f_lineno} before {op}")
                 self.in_load = _inside_load(frame)
                 raise Injected(f"{frame.f_code.co_name}:{frame.f_lineno}")
         return self._local
@@ -206,7 +228,7 @@ def test_an_exception_at_every_line_of_a_receive_loses_and_leaks_nothing(lc, how
             i += 1
             if i % 3 == 1:
                 k += 1
-        assert k > 30, f"only {k} lines were interrupted"
+        assert k > 15, f"only {k} points were interrupted"
         assert discarded < k  # only where an exception landed inside the unpickling
         while i < n:
             _check(receive(), i)
