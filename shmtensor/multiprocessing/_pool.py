@@ -28,9 +28,54 @@ import weakref
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import pool as _mpp
 from multiprocessing.connection import wait
+from typing import TYPE_CHECKING, Any, cast
 
 from .. import _queues
 from .._reductions import RemoteError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from multiprocessing.context import DefaultContext
+    from multiprocessing.popen_fork import Popen
+    from multiprocessing.process import BaseProcess
+    from typing import Protocol
+
+    from ._context import _ShmContext
+
+    class _StdPool(_mpp.Pool):
+        """The stdlib pool's private parts that this module uses (typeshed leaves them out)."""
+        _ctx: _ShmContext  # the context that made the pool: see _ShmContext.Pool
+        _state: str
+        _cache: dict[int, Any]  # job -> its ApplyResult, MapResult or IMapIterator
+        _processes: int
+        _maxtasksperchild: int | None
+        _inqueue: _queues.SimpleQueue
+        _outqueue: _ResultQueue
+        _quick_put: Callable[[object], None]
+        _quick_get: Callable[[], object]
+
+        def _check_running(self) -> None: ...
+
+    class _PendingCall(Protocol):
+        """A pending call of the stdlib's pool (ApplyResult, MapResult or IMapIterator):
+        the private fields :func:`_fail` sets, each on the kind that has it."""
+        _index: int               # IMapIterator
+        _number_left: int         # MapResult, and below
+        _success: bool
+        _value: object
+        _event: threading.Event
+        _cache: dict[int, object]
+        _job: int
+
+        def _set(self, i: int, obj: tuple[bool, object]) -> None: ...
+        def _set_length(self, length: int) -> None: ...  # IMapIterator
+
+    class _Worker(BaseProcess):
+        """A pool worker, with the stdlib's private popen (None until started), which
+        typeshed leaves out."""
+        _popen: Popen | None
+else:
+    _StdPool = _mpp.Pool
 
 __all__ = ["Pool", "WorkerLostError", "RemoteError"]
 
@@ -54,7 +99,7 @@ def _describe(code: int) -> str:
     return f"exit code {code}"
 
 
-def _fail(job, err: BaseException) -> None:
+def _fail(job: _PendingCall, err: BaseException) -> None:
     """Complete a pending call with ``err`` (in the watcher thread, while the result handler
     may be delivering a result to the same call)."""
     ready = getattr(job, "ready", None)
@@ -82,10 +127,10 @@ def _fail(job, err: BaseException) -> None:
 
 # Every worker each pool ever started, by the pool's task queue, so that a replacement that
 # starts and dies between two looks of the watcher is still seen.
-_workers: "weakref.WeakKeyDictionary[object, list]" = weakref.WeakKeyDictionary()
+_workers: weakref.WeakKeyDictionary[object, list[_Worker]] = weakref.WeakKeyDictionary()
 
 
-def _watch(pool_ref: "weakref.ref[Pool]", inqueue) -> None:
+def _watch(pool_ref: weakref.ref[Pool], inqueue: object) -> None:
     """Wake on any worker's exit; a non-zero exit with calls pending breaks the pool."""
     try:
         _watch_loop(pool_ref, inqueue)
@@ -93,7 +138,7 @@ def _watch(pool_ref: "weakref.ref[Pool]", inqueue) -> None:
         _workers.pop(inqueue, None)  # let the workers' Process objects (and fds) go
 
 
-def _watch_loop(pool_ref: "weakref.ref[Pool]", inqueue) -> None:
+def _watch_loop(pool_ref: weakref.ref[Pool], inqueue: object) -> None:
     handled: set[int] = set()
     while True:
         pool = pool_ref()
@@ -132,15 +177,15 @@ def _watch_loop(pool_ref: "weakref.ref[Pool]", inqueue) -> None:
         del pool
 
 
-def _exit_code(w) -> int | None:
+def _exit_code(w: _Worker) -> int | None:
     """``w``'s exit code once the pool's own thread has read it (``_join_exited_workers``
     polls every worker ~10 times a second), without polling here: two threads polling one
     forkserver child race for the single status its sentinel carries, and the loser
     records exit code 255 over the real one (``popen_forkserver.Popen.poll``)."""
-    return w._popen.returncode
+    return w._popen.returncode  # type: ignore[union-attr]  # a started one: it has a popen
 
 
-def _quit_early(pool: "Pool") -> bool:
+def _quit_early(pool: Pool) -> bool:
     """A worker that exited 0 left mid-work: nothing retires a worker of a running pool
     without ``maxtasksperchild`` (close and terminate change the state first)."""
     return pool._state == _mpp.RUN and not pool._maxtasksperchild
@@ -154,7 +199,7 @@ class _ResultQueue(_queues.SimpleQueue):
 
     broken = False
 
-    def put(self, obj) -> None:
+    def put(self, obj: object) -> None:
         if obj is not None or not self.broken or self._wlock is None:
             return super().put(obj)
         if not self._wlock.acquire(timeout=1.0):
@@ -169,7 +214,7 @@ class _ResultQueue(_queues.SimpleQueue):
             self._wlock.release()
 
 
-class Pool(_mpp.Pool):
+class Pool(_StdPool):
     """``multiprocessing.Pool`` on shmtensor channels that fails fast when a worker dies
     (see :func:`shmtensor.multiprocessing.Pool`, which makes one)."""
 
@@ -179,7 +224,7 @@ class Pool(_mpp.Pool):
         self._quick_put = self._inqueue._writer.send
         self._quick_get = self._outqueue._reader.recv
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._broken: WorkerLostError | None = None
         super().__init__(*args, **kwargs)
         self._watcher = threading.Thread(target=_watch, args=(weakref.ref(self), self._inqueue),
@@ -187,15 +232,17 @@ class Pool(_mpp.Pool):
         self._watcher.start()
 
     @staticmethod
-    def Process(ctx, *args, **kwds):
-        proc = ctx.Process(*args, **kwds)
+    def Process(  # type: ignore[override]  # the context's own Process class, not only mp's
+            ctx: DefaultContext | _ShmContext, *args: Any, **kwds: Any) -> BaseProcess:
+        proc = cast("_Worker", ctx.Process(*args, **kwds))
         inqueue = kwds["args"][0] if "args" in kwds else None
         if inqueue is not None:
             _workers.setdefault(inqueue, []).append(proc)
         return proc
 
     @staticmethod
-    def _help_stuff_finish(inqueue, task_handler, size) -> None:
+    def _help_stuff_finish(inqueue: _queues.SimpleQueue, task_handler: threading.Thread,
+                           size: int) -> None:
         """The stdlib's, but a worker killed while reading holds the task queue's lock for
         good: terminate() then gives up on it after a second instead of hanging."""
         if not inqueue._rlock.acquire(timeout=1.0):
@@ -204,7 +251,7 @@ class Pool(_mpp.Pool):
             inqueue._reader.recv_bytes()  # tasks dropped unread: their fds close with them
             time.sleep(0)
 
-    def _break(self, pid: int, code: int) -> None:
+    def _break(self, pid: int | None, code: int) -> None:
         why = _describe(code) + (" (a task ended the process: sys.exit() or os._exit(0)?)"
                                  if code == 0 else "")
         err = WorkerLostError(
