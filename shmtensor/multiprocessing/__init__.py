@@ -59,6 +59,8 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
+# The factories below replace the stdlib's of the same names, star-imported above (the
+# no-redef ignores).
 def Queue(maxsize: int = 0) -> _queues.Queue:  # type: ignore[no-redef]
     """A ``multiprocessing.Queue`` of the default context whose messages carry arrays
     through shared memory: a shared array crosses as a handle, a plain one is copied once

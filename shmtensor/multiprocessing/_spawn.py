@@ -24,7 +24,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from multiprocessing.process import BaseProcess
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 __all__ = ["spawn", "start_processes", "ProcessContext", "ProcessException",
            "ProcessRaisedException", "ProcessExitedException", "ProcessTimeoutError"]
@@ -101,7 +101,8 @@ def _die_with_parent(use_pdeathsig: bool) -> None:
     threading.Thread(target=watch, daemon=True, name="shmtensor-parent-watch").start()
 
 
-def _wrap(fn: Callable[..., object], rank: int, args: tuple[Any, ...], error_file: str, use_pdeathsig: bool) -> None:
+def _wrap(fn: Callable[..., object], rank: int, args: tuple[Any, ...], error_file: str,
+          use_pdeathsig: bool) -> None:
     _die_with_parent(use_pdeathsig)
     try:
         fn(rank, *args)
@@ -126,7 +127,7 @@ class ProcessContext:
 
     def pids(self) -> list[int]:
         """The children's process ids, in rank order."""
-        return [int(p.pid) for p in self.processes]
+        return [int(p.pid) for p in self.processes]  # type: ignore[arg-type]  # started: a pid
 
     def join(self, timeout: float | None = None, grace_period: float | None = 5.0) -> bool:
         """Wait for the children.
@@ -142,7 +143,8 @@ class ProcessContext:
             (siblings are stopped)."""
         if not self.sentinels:
             return True
-        ready = multiprocessing.connection.wait(list(self.sentinels), timeout=timeout)
+        ready = cast("list[int]",  # the sentinels it was given
+                     multiprocessing.connection.wait(list(self.sentinels), timeout=timeout))
         failed = None
         for sentinel in ready:
             rank = self.sentinels.pop(sentinel)
@@ -165,7 +167,7 @@ class ProcessContext:
                 if p.exitcode != 0:
                     self._raise(rank)
             return
-        pids = [int(self.processes[rank].pid) for rank in hung]
+        pids = [int(self.processes[rank].pid) for rank in hung]  # type: ignore[arg-type]  # started
         named = ", ".join(f"{rank} (pid {pid})" for rank, pid in zip(hung, pids))
         raise ProcessTimeoutError(
             f"spawn timed out after {timeout}s with {len(hung)} of {len(self.processes)} "
@@ -195,8 +197,8 @@ class ProcessContext:
                 tb = pickle.load(f)
             raise ProcessRaisedException(
                 f"\n\n-- Process {rank} (pid {proc.pid}) terminated with the following error:\n{tb}",
-                rank, proc.pid)
-        code = proc.exitcode
+                rank, proc.pid)  # type: ignore[arg-type]  # a started child: it has a pid
+        code = cast(int, proc.exitcode)  # joined: it has exited
         if code < 0:
             try:
                 name = signal.Signals(-code).name
@@ -204,10 +206,10 @@ class ProcessContext:
                 name = f"signal {-code}"
             raise ProcessExitedException(
                 f"process {rank} (pid {proc.pid}) terminated with signal {name}",
-                rank, proc.pid, code, name)
+                rank, proc.pid, code, name)  # type: ignore[arg-type]  # started: a pid
         raise ProcessExitedException(
             f"process {rank} (pid {proc.pid}) terminated with exit code {code}",
-            rank, proc.pid, code)
+            rank, proc.pid, code)  # type: ignore[arg-type]  # started: it has a pid
 
     def __del__(self) -> None:
         for path in getattr(self, "error_files", ()):
