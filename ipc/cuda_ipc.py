@@ -31,6 +31,8 @@ import ctypes
 import os
 import sys
 import threading
+from collections.abc import Callable
+from typing import Literal, Protocol, cast
 
 __all__ = ["device_count", "parse_visible_devices", "uuids_to_ordinals", "nvml_device_count",
            "nvml_uuids", "address_range", "buffer_id", "Current", "active_devices",
@@ -45,12 +47,19 @@ class CudaIpcError(RuntimeError):
     """A CUDA driver or NVML call failed; the message names the call and the error."""
 
 
+class _Library(Protocol):
+    """A loaded C library (libcuda, libnvidia-ml) as ctypes calls it: every entry point
+    used here returns a C ``int`` (``CUresult``, ``nvmlReturn_t``), ctypes' default."""
+
+    def __getattr__(self, name: str) -> Callable[..., int]: ...
+
+
 _lock = threading.Lock()
-_nvml = None
-_cuda = None
+_nvml: _Library | Literal[False] | None = None  # False: not loadable, or nvmlInit failed
+_cuda: _Library | Literal[False] | None = None  # False: not loadable
 
 
-def _load(names):
+def _load(names: list[str]) -> _Library | None:
     for name in names:
         try:
             return ctypes.CDLL(name)
@@ -59,7 +68,7 @@ def _load(names):
     return None
 
 
-def _libnvml():
+def _libnvml() -> _Library | None:
     global _nvml
     with _lock:
         if _nvml is None:
@@ -217,7 +226,7 @@ def device_count() -> int:
     return n if n >= 0 else _count_in_child(spec)
 
 
-def _libcuda():
+def _libcuda() -> _Library | None:
     global _cuda
     with _lock:
         if _cuda is None:
@@ -272,7 +281,7 @@ def buffer_id(ptr: int) -> int:
 _contexts: dict[int, ctypes.c_void_p] = {}  # device ordinal -> its retained primary context
 
 
-def _primary(lib, device: int) -> ctypes.c_void_p:
+def _primary(lib: _Library, device: int) -> ctypes.c_void_p:
     """``device``'s primary context (the one CuPy and the runtime use), retained once."""
     ctx = _contexts.get(device)
     if ctx is None:
@@ -299,7 +308,7 @@ class Current:
         self.device = device
         self.pushed = False
 
-    def __enter__(self):
+    def __enter__(self) -> _Library:
         lib = _libcuda()
         if lib is None:
             raise CudaIpcError("libcuda.so.1 is not loadable: is the NVIDIA driver installed?")
@@ -310,10 +319,10 @@ class Current:
             self.pushed = True
         return lib
 
-    def __exit__(self, *exc) -> None:
-        if self.pushed:
+    def __exit__(self, *exc: object) -> None:
+        if self.pushed:  # so libcuda was loaded (__enter__ pushed with it): not None
             self.pushed = False
-            _libcuda().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+            cast(_Library, _libcuda()).cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
 
 def active_devices() -> list[int]:

@@ -17,18 +17,28 @@ process that initialised CUDA raises the fork error, not an opaque driver error.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from shmtensor.ipc import cuda_ipc
 
 from .. import _registry
 from . import _device
 
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
+
+    from .._wire import Payload
+    from ._events import IpcEvent
+
 __all__ = ["is_available", "device_count", "ipc_collect", "exports", "IpcEvent", "malloc",
            "set_allocator", "using_allocator", "empty", "zeros", "ones", "full", "empty_like",
            "zeros_like"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type[IpcEvent]:
     if name == "IpcEvent":
         from ._events import IpcEvent
         return IpcEvent
@@ -42,32 +52,32 @@ def _install_cupy() -> None:
     _reducers.register()
 
 
-_vmm_lane_loads = None
-_ipc_lane_loads = None
+_vmm_lane_loads: Callable[[Payload, list[int]], Any] | None = None
+_ipc_lane_loads: Callable[[Payload, list[int]], Any] | None = None
 
 
-def _lane_loads(data, fds):
+def _lane_loads(data: Payload, fds: list[int]) -> Any:
     """A VMM lane message: ``_vmm.lane_loads``, imported by the first one."""
     global _vmm_lane_loads
     if _vmm_lane_loads is None:
         from ._vmm import lane_loads as _vmm_lane_loads
-    return _vmm_lane_loads(data, fds)
+    return _vmm_lane_loads(data, fds)  # type: ignore[misc]  # bound by the import above
 
 
-def _ipc_lane(data, fds):
+def _ipc_lane(data: Payload, fds: list[int]) -> Any:
     """A legacy IPC lane message: ``_ipc.lane_loads``, imported by the first one."""
     global _ipc_lane_loads
     if _ipc_lane_loads is None:
         from ._ipc import lane_loads as _ipc_lane_loads
-    return _ipc_lane_loads(data, fds)
+    return _ipc_lane_loads(data, fds)  # type: ignore[misc]  # bound by the import above
 
 
-def _stats() -> dict:
+def _stats() -> dict[str, int]:
     from . import _reducers  # no CuPy import: counters of empty tables until it is used
     return _reducers.stats()
 
 
-def _record_event_devices(cupy_module) -> None:
+def _record_event_devices(cupy_module: ModuleType) -> None:
     from . import _events
     _events.record_devices(cupy_module)
 
@@ -102,13 +112,13 @@ def ipc_collect() -> int:
     return _reducers.collect()
 
 
-def exports() -> list[dict]:
+def exports() -> list[dict[str, Any]]:
     """Device allocations this process keeps for other processes, and whether still held."""
     from . import _reducers
     return _reducers.exports()
 
 
-def malloc(nbytes: int):
+def malloc(nbytes: int) -> Any:
     """CuPy allocator for shared device memory (VMM, outlives its producer): pass it to
     ``cupy.cuda.set_allocator`` or use :func:`set_allocator` / :func:`using_allocator`."""
     from . import _vmm
@@ -121,44 +131,50 @@ def set_allocator() -> None:
     _device.cupy().cuda.set_allocator(_vmm.malloc)  # what malloc calls, one call fewer
 
 
-def using_allocator():
+def using_allocator() -> AbstractContextManager[None]:
     """Context manager: CuPy allocations on this thread are shared device memory inside."""
     from . import _vmm
-    return _device.cupy().cuda.using_allocator(_vmm.malloc)
+    return cast("AbstractContextManager[None]", _device.cupy().cuda.using_allocator(_vmm.malloc))
 
 
-def _make(fn, *args, **kwargs):
+def _make(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     with using_allocator():
         return fn(*args, **kwargs)
 
 
-def empty(shape, dtype=float, order="C"):
+def empty(shape: int | tuple[int, ...], dtype: DTypeLike = float,
+          order: Literal["C", "F"] = "C") -> Any:
     """An uninitialised CuPy array in shared device memory (current device)."""
     return _make(_device.cupy().empty, shape, dtype, order)
 
 
-def zeros(shape, dtype=float, order="C"):
+def zeros(shape: int | tuple[int, ...], dtype: DTypeLike = float,
+          order: Literal["C", "F"] = "C") -> Any:
     """A CuPy array of zeros in shared device memory (current device)."""
     return _make(_device.cupy().zeros, shape, dtype, order)
 
 
-def ones(shape, dtype=float, order="C"):
+def ones(shape: int | tuple[int, ...], dtype: DTypeLike = float,
+         order: Literal["C", "F"] = "C") -> Any:
     """A CuPy array of ones in shared device memory (current device); see :func:`empty`."""
     return _make(_device.cupy().ones, shape, dtype, order)
 
 
-def full(shape, fill_value, dtype=None, order="C"):
+def full(shape: int | tuple[int, ...], fill_value: object, dtype: DTypeLike | None = None,
+         order: Literal["C", "F"] = "C") -> Any:
     """A CuPy array filled with ``fill_value`` in shared device memory (current device)."""
     return _make(_device.cupy().full, shape, fill_value, dtype, order)
 
 
-def empty_like(a, dtype=None, order="K", shape=None):
+def empty_like(a: Any, dtype: DTypeLike | None = None, order: Literal["C", "F", "A", "K"] = "K",
+               shape: int | tuple[int, ...] | None = None) -> Any:
     """An uninitialised CuPy array like ``a`` (as :func:`cupy.empty_like`) in shared device
     memory."""
     return _make(_device.cupy().empty_like, a, dtype, order, shape=shape)
 
 
-def zeros_like(a, dtype=None, order="K", shape=None):
+def zeros_like(a: Any, dtype: DTypeLike | None = None, order: Literal["C", "F", "A", "K"] = "K",
+               shape: int | tuple[int, ...] | None = None) -> Any:
     """A CuPy array of zeros like ``a`` (as :func:`cupy.zeros_like`) in shared device
     memory."""
     return _make(_device.cupy().zeros_like, a, dtype, order, shape=shape)

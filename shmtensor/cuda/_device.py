@@ -8,22 +8,23 @@ a process that had initialised CUDA (see :mod:`shmtensor.ipc.cuda_ipc`).
 from __future__ import annotations
 
 import os
+from typing import Any, cast
 
 from shmtensor.ipc import cuda_ipc
 
-_cp = None
+_cp: Any = None  # the cupy module (untyped: Any)
 _devices: dict[str, int] = {}  # PCI bus id -> this process's device index (only grows)
 _bus_ids: dict[int, str] = {}  # and back
 
 
-def cupy():
+def cupy() -> Any:
     """CuPy, imported on first use (never at shmtensor's import); the fork error first."""
     if _cp is not None and not cuda_ipc.bad_fork():
         return _cp
     return _import_cupy()
 
 
-def _import_cupy():
+def _import_cupy() -> Any:
     global _cp
     cuda_ipc.check_can_initialize()  # the fork error, even where no fork hook saw the fork
     try:
@@ -35,13 +36,13 @@ def _import_cupy():
     return cp
 
 
-def local_device(cp, bus_id: str) -> int:
+def local_device(cp: Any, bus_id: str) -> int:
     """This process's index of the device at PCI ``bus_id`` (where a sender's memory is)."""
     device = _devices.get(bus_id)
     if device is not None:
         return device
     try:
-        device = _devices[bus_id] = cp.cuda.runtime.deviceGetByPCIBusId(bus_id)
+        device = _devices[bus_id] = cast(int, cp.cuda.runtime.deviceGetByPCIBusId(bus_id))
         return device
     except Exception:
         raise RuntimeError(
@@ -50,7 +51,7 @@ def local_device(cp, bus_id: str) -> int:
             "make that device visible to the receiving process") from None
 
 
-def bus_id(cp, device: int) -> str:
+def bus_id(cp: Any, device: int) -> str:
     """The PCI bus id of this process's ``device`` (asked of the runtime once)."""
     found = _bus_ids.get(device)
     if found is None:

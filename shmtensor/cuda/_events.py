@@ -18,6 +18,8 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, cast
 
 from shmtensor.ipc import cuda_ipc
 
@@ -33,9 +35,10 @@ class _Events:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.rings: dict[int, list] = {}   # device -> [(event, handle)], up to RING
+        # device -> [(event, handle)], up to RING
+        self.rings: dict[int, list[tuple[Any, bytes]]] = {}
         self.next: dict[int, int] = {}     # device -> ring index to record next
-        self.own: dict[bytes, object] = {}  # handle -> this process's ring event
+        self.own: dict[bytes, Any] = {}    # handle -> this process's ring event
         self.opened: "OrderedDict[bytes, int]" = OrderedDict()  # others' ring events, LRU
         self.user: dict[bytes, int] = {}   # handle -> opened pointer (IpcEvent objects)
 
@@ -43,7 +46,7 @@ class _Events:
 _ev = _Events()
 
 
-def order(cp, device: int) -> bytes | None:
+def order(cp: Any, device: int) -> bytes | None:
     """Order the current stream's queued work before the receiver's use: the handle of a
     ring event recorded on it (or None after synchronizing the stream, when no interprocess
     event is to be had).  Once per message and stream."""
@@ -51,12 +54,12 @@ def order(cp, device: int) -> bytes | None:
     memo = _wire.message_memo()
     key = ("cuda-order", device, stream.ptr)
     if key in memo:
-        return memo[key]
+        return cast("bytes | None", memo[key])
     handle = memo[key] = order_now(cp, device, stream)
     return handle
 
 
-def order_now(cp, device: int, stream) -> bytes | None:
+def order_now(cp: Any, device: int, stream: Any) -> bytes | None:
     """:func:`order` for a message that carries one array (no memo needed).  The event is
     recorded whether or not the stream has work queued: asking first (``stream.done``) costs
     as much as recording, and a stream that just made the array it sends is rarely idle."""
@@ -83,7 +86,7 @@ def order_now(cp, device: int, stream) -> bytes | None:
     return handle
 
 
-def wait(cp, event_handle: bytes) -> None:
+def wait(cp: Any, event_handle: bytes) -> None:
     """Make the current stream wait for a sender's ring event (the host does not wait);
     once per message and stream."""
     memo = _wire.message_memo()
@@ -95,7 +98,7 @@ def wait(cp, event_handle: bytes) -> None:
     stream_wait(cp, event_handle, stream)
 
 
-def stream_wait(cp, event_handle: bytes, stream: int) -> None:
+def stream_wait(cp: Any, event_handle: bytes, stream: int) -> None:
     """Make ``stream`` wait for a sender's ring event, unless its work is done already.
 
     Asking first (``eventQuery``, which does not wait) and waiting only when the work is
@@ -130,13 +133,13 @@ class IpcEvent:
     def __init__(self, ptr: int, handle: bytes) -> None:
         self.ptr, self.handle = ptr, handle
 
-    def record(self, stream=None) -> None:
+    def record(self, stream: Any = None) -> None:
         """Record the event on ``stream`` (default: the current stream)."""
         cp = _device.cupy()
         stream = stream or cp.cuda.get_current_stream()
         cp.cuda.runtime.eventRecord(self.ptr, stream.ptr)
 
-    def wait(self, stream=None) -> None:
+    def wait(self, stream: Any = None) -> None:
         """Make ``stream`` (default: current) wait for the event; the host does not wait."""
         cp = _device.cupy()
         stream = stream or cp.cuda.get_current_stream()
@@ -148,16 +151,16 @@ class IpcEvent:
 
     def query(self) -> bool:
         """True when the work the event marks is done (the host does not wait)."""
-        return _device.cupy().cuda.runtime.eventQuery(self.ptr) == 0
+        return cast(int, _device.cupy().cuda.runtime.eventQuery(self.ptr)) == 0
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[bytes], IpcEvent], tuple[bytes]]:
         return _rebuild_event, (self.handle,)
 
 
 _wrap_lock = threading.Lock()
 
 
-def record_devices(cp) -> None:
+def record_devices(cp: Any) -> None:
     """Make every ``cupy.cuda.Event`` made from now on record its device (the current one,
     right after creation) as its ``_shmtensor_device``.  Idempotent, and no driver call (CUDA
     stays uninitialised).  A CuPy whose ``Event`` cannot take it (not a plain class with a
@@ -180,28 +183,29 @@ def record_devices(cp) -> None:
                 pass
 
 
-def _recording_device(init, get_device):
+def _recording_device(init: Callable[..., None], get_device: Callable[[], int]
+                      ) -> Callable[..., None]:
     @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         self._shmtensor_device = get_device()
 
-    __init__._shmtensor_records_device = True
+    cast(Any, __init__)._shmtensor_records_device = True  # the mark record_devices reads
     return __init__
 
 
-def _device_of(ev) -> int:
+def _device_of(ev: Any) -> int:
     """The device whose context ``ev`` is of: the one it recorded, else (an event made
     before shmtensor tagged CuPy's) the one GPU in use in this process.  With several in
     use, it cannot be told, and guessing wrong crashes the process: refused."""
-    device = getattr(ev, "_shmtensor_device", None)
+    device: int | None = getattr(ev, "_shmtensor_device", None)
     if device is not None:
         return device
     active = cuda_ipc.active_devices()
     if len(active) == 1:
         return active[0]
     if not active:  # no context: the event is not a CuPy event of a primary context
-        return _device.cupy().cuda.runtime.getDevice()
+        return cast(int, _device.cupy().cuda.runtime.getDevice())
     raise cuda_ipc.CudaIpcError(
         "cannot send this CUDA event: its device was not recorded (it was made before "
         f"`import shmtensor`), and this process uses several GPUs ({active}). "
@@ -210,7 +214,7 @@ def _device_of(ev) -> int:
         "then records the device of each event made), or make a new one in its place.")
 
 
-def reduce_event(ev):
+def reduce_event(ev: Any) -> tuple[Callable[[bytes], IpcEvent], tuple[bytes]]:
     """An interprocess event's handle, asked under its device's context on any thread."""
     _device.cupy()  # the fork error, before any driver call
     device = _device_of(ev)

@@ -33,6 +33,8 @@ import pickle
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, cast
 
 from shmtensor.ipc import cuda_ipc, ofd_lease
 from shmtensor.ipc.scm_rights import close_fds
@@ -61,7 +63,7 @@ class _Export:
 
     __slots__ = ("handle", "base", "size", "device", "bus_id", "buffer", "leases")
 
-    def __init__(self, cp, device: int, base: int, size: int) -> None:
+    def __init__(self, cp: Any, device: int, base: int, size: int) -> None:
         self.device, self.base, self.size = device, base, size
         self.buffer = cuda_ipc.buffer_id(base)
         self.handle = bytes(cp.cuda.runtime.ipcGetMemHandle(base))
@@ -75,6 +77,11 @@ class _Lease:
     holds the slot and no message naming it is unsent."""
 
     __slots__ = ("slot", "export", "mem", "token", "key")
+    slot: int
+    export: _Export
+    mem: Any  # the chunk's CuPy memory; None once dropped
+    token: weakref.ref[_Token] | None  # the unsent messages' token
+    key: tuple[int, int]  # (device, chunk pointer)
 
     def unsent(self) -> bool:
         return self.token is not None and self.token() is not None
@@ -114,7 +121,7 @@ class _Exports:
         self.by_base[(ex.device, ex.base)] = ex
         bisect.insort(self.bases.setdefault(ex.device, []), ex.base)
 
-    def lease(self, ex: _Export, key: tuple[int, int], mem) -> _Lease:
+    def lease(self, ex: _Export, key: tuple[int, int], mem: Any) -> _Lease:
         lease = _Lease()
         lease.slot, lease.export, lease.mem, lease.token, lease.key = (
             ofd_lease.own_table().new_slot(), ex, mem, None, key)
@@ -139,7 +146,7 @@ class _Exports:
             if len(self.retired) > RETIRED_LIMIT:
                 self.retired.popitem(last=False)
 
-    def sweep(self, table, probe: int | None) -> int:
+    def sweep(self, table: ofd_lease.LeaseTable, probe: int | None) -> int:
         """Drop leases nobody holds: the ``probe`` oldest (moving held ones to the back), or
         every one (``probe`` None).  Caller holds ``lock``."""
         dropped = 0
@@ -164,6 +171,13 @@ class _Mapping:
 
     __slots__ = ("ptr", "device", "handle", "bus_id", "size", "uses", "prune_at",
                  "__weakref__")
+    ptr: int
+    device: int
+    handle: bytes
+    bus_id: str
+    size: int
+    uses: dict[tuple[str, int], UseRef]  # (table id, slot) -> its use
+    prune_at: int
 
     def idle(self) -> bool:
         """True when no array built on it lives (forgets the uses that died); caller holds
@@ -181,6 +195,9 @@ class _Use:
     lease (never the mapping) once this process's work on the device is done."""
 
     __slots__ = ("mapping", "table_id", "slot", "__weakref__")
+    mapping: _Mapping
+    table_id: str
+    slot: int
 
 
 class _Mappings:
@@ -234,18 +251,19 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class UseRef(weakref.ref):
+class UseRef(weakref.ref[_Use]):
     """A weak reference to a use whose death enqueues the release of the use's lease.
     Lighter than ``weakref.finalize`` on a path taken once per received message."""
 
     __slots__ = ("args",)
+    args: tuple[int, str, int]  # _release.enqueue's (device, table id, slot)
 
 
 def _use_died(r: UseRef) -> None:
     _release.enqueue(*r.args)  # a finalizer: enqueues, takes no lock
 
 
-def _use_of(m: _Mapping, table_id: str, slot: int, take) -> _Use:
+def _use_of(m: _Mapping, table_id: str, slot: int, take: Callable[[], None]) -> _Use:
     """The use of chunk ``slot`` of ``m``, made if none is alive and then holding the lease
     by ``take()``; caller holds the mappings' lock."""
     key = (table_id, slot)
@@ -263,7 +281,8 @@ def _use_of(m: _Mapping, table_id: str, slot: int, take) -> _Use:
     return use
 
 
-def reduce_array(cp, arr, mem, owner):
+def reduce_array(cp: Any, arr: Any, mem: Any, owner: object
+                 ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """An array on memory from any allocator: its allocation's handle and its place in it."""
     device = arr.device.id
     if cp.cuda.runtime.getDevice() == device:
@@ -272,7 +291,8 @@ def reduce_array(cp, arr, mem, owner):
         return _reduce_array(cp, arr, mem, owner, device)
 
 
-def _reduce_array(cp, arr, mem, owner, device: int):
+def _reduce_array(cp: Any, arr: Any, mem: Any, owner: object, device: int
+                  ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """:func:`reduce_array` with the array's device current."""
     if isinstance(owner, _Use):  # forwarding what we received: same handle, same slot
         m = owner.mapping
@@ -292,7 +312,7 @@ def _reduce_array(cp, arr, mem, owner, device: int):
                                  arr.strides, arr.dtype.str, table_id, slot, lock_i, ev)
 
 
-def _export(cp, arr, device: int) -> tuple[_Lease, _Token]:
+def _export(cp: Any, arr: Any, device: int) -> tuple[_Lease, _Token]:
     """The lease of ``arr``'s chunk (and the export of its allocation), made if needed, and
     the token the message must keep until it is sent: the chunk stays out of CuPy's pool
     until then and until nobody holds the lease's slot."""
@@ -324,19 +344,19 @@ def _export(cp, arr, device: int) -> tuple[_Lease, _Token]:
                 if len(x.leases) >= x.next_sweep:  # amortised: all, when leases doubled
                     x.sweep(table, None)
                     x.next_sweep = max(64, 2 * len(x.leases))
-                x.add(ex)
+                x.add(cast(_Export, ex))  # not None: the retired one, or made above
             else:
                 ex = found
-            lease = x.leases.get(key) or x.lease(ex, key, mem)
+            lease = x.leases.get(key) or x.lease(cast(_Export, ex), key, mem)
             token = _attach(lease)
         if fresh and size < ARENA:
             _seed(mem)
     with x.lock:  # give back the oldest that nobody holds (this one is unsent: kept)
         x.sweep(table, PROBE)
-    return lease, token
+    return lease, cast(_Token, token)  # made with the lease, found or new
 
 
-def _seed(mem) -> None:
+def _seed(mem: Any) -> None:
     """After a small allocation of CuPy's pool was exported: leave an ``ARENA`` chunk free in
     that pool (if it has less free), so that the next small arrays are carved from one
     allocation, whose handle each receiver opens once, instead of each being a new
@@ -368,8 +388,10 @@ def own_lease(table_id: str, slot: int) -> _Lease | None:
         return _exports.by_slot.get(slot)
 
 
-def _rebuild_cupy_array(handle, bus_id, size, offset, shape, strides, dtype, table_id, slot,
-                        lock_i, event_handle):
+def _rebuild_cupy_array(handle: bytes, bus_id: str, size: int, offset: int,
+                        shape: tuple[int, ...], strides: tuple[int, ...], dtype: str,
+                        table_id: str, slot: int, lock_i: int, event_handle: bytes | None
+                        ) -> Any:
     cp = _device.cupy()
     _release.poll()
     lease_fd, deferred = _wire.received_lease(table_id, slot, lock_i)
@@ -378,7 +400,7 @@ def _rebuild_cupy_array(handle, bus_id, size, offset, shape, strides, dtype, tab
     if home is not None:
         return home
 
-    def take():
+    def take() -> None:
         ofd_lease.hold(table_id, slot, lease_fd, deferred)
 
     if cp.cuda.runtime.getDevice() == device:
@@ -393,7 +415,8 @@ def _rebuild_cupy_array(handle, bus_id, size, offset, shape, strides, dtype, tab
     return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
 
 
-def _home(cp, table_id: str, slot: int, offset: int, shape, dtype, strides):
+def _home(cp: Any, table_id: str, slot: int, offset: int, shape: tuple[int, ...],
+          dtype: str, strides: tuple[int, ...] | None) -> Any:
     """The array of a message that came back to the process that exported its chunk (its
     own memory, no IPC), or None.  The chunk's memory object is the owner, so CuPy's pool
     cannot take it back under this array."""
@@ -401,13 +424,13 @@ def _home(cp, table_id: str, slot: int, offset: int, shape, dtype, strides):
     mem = lease.mem if lease is not None else None
     if mem is None:
         return None
-    ex = lease.export
+    ex = cast(_Lease, lease).export  # not None: it had memory
     mem = cp.cuda.UnownedMemory(ex.base, ex.size, mem, ex.device)
     return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
 
 
-def _mapped(cp, device: int, handle: bytes, bus_id: str, size: int, table_id: str,
-            slot: int, take):
+def _mapped(cp: Any, device: int, handle: bytes, bus_id: str, size: int, table_id: str,
+            slot: int, take: Callable[[], None]) -> Any:
     """Memory over the mapping of ``handle`` (opened, or taken back from the closer), owned
     by the use of its chunk ``slot`` (made, and holding the lease by ``take()``, if none is
     alive); ``device`` is current."""
@@ -443,7 +466,8 @@ def _mapped(cp, device: int, handle: bytes, bus_id: str, size: int, table_id: st
 LANE = b"\0I"
 
 
-def lane_dumps(cp, arr, mem, owner):
+def lane_dumps(cp: Any, arr: Any, mem: Any, owner: object
+               ) -> tuple[bytes, _wire.LaneContext] | None:
     """``arr`` alone as a message ``(payload, LaneContext)``, or None."""
     device = arr.device.id
     if arr.size == 0 or cp.cuda.runtime.getDevice() != device:
@@ -466,7 +490,7 @@ def lane_dumps(cp, arr, mem, owner):
             _wire.LaneContext(keep, None, table_id, slot))
 
 
-def lane_loads(data, fds: list[int]):
+def lane_loads(data: _wire.Payload, fds: list[int]) -> Any:
     """The array of a :func:`lane_dumps` message; closes every fd it does not keep."""
     try:
         (handle, bus_id, size, offset, shape, strides, dtype, table_id, slot,
@@ -478,7 +502,7 @@ def lane_loads(data, fds: list[int]):
         if home is not None:
             return home
 
-        def take():
+        def take() -> None:
             if ofd_lease.hold_sole(table_id, slot, fds[0]):
                 fds[0] = -1  # the message's description is the hold now
 
@@ -496,7 +520,7 @@ def lane_loads(data, fds: list[int]):
         close_fds(fds)
 
 
-def rebuild_empty(shape, dtype, bus_id):
+def rebuild_empty(shape: tuple[int, ...], dtype: str, bus_id: str) -> Any:
     cp = _device.cupy()
     with cp.cuda.Device(_device.local_device(cp, bus_id)):
         return cp.empty(shape, dtype)
@@ -547,12 +571,15 @@ def collect() -> int:
         return _exports.sweep(ofd_lease.own_table(), None) if _exports.leases else 0
 
 
-def exports() -> list[dict]:
+def exports() -> list[dict[str, Any]]:
     """The chunks this process keeps for other processes (for leak checks and debugging)."""
     table = ofd_lease.own_table() if _exports.leases else None
     with _exports.lock:
+        # table is None only if a lease was made since the check above: a race, which
+        # raises AttributeError here
         return [{"kind": "ipc", "device": lease.export.device, "base": lease.key[1],
-                 "size": lease.mem.size, "slot": lease.slot, "held": table.is_held(lease.slot)}
+                 "size": lease.mem.size, "slot": lease.slot,
+                 "held": table.is_held(lease.slot)}  # type: ignore[union-attr]  # the race
                 for lease in _exports.leases.values()]
 
 

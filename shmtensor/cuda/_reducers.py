@@ -8,17 +8,23 @@ takes its kind's lane (no pickler); interprocess events cross by handle (:mod:`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 from .. import _registry
 from . import _device, _events, _ipc, _release, _vmm
 
+if TYPE_CHECKING:
+    from .._wire import LaneContext
 
-def _owner(cp, mem):
+
+def _owner(cp: Any, mem: Any) -> object:
     """What owns memory shmtensor handed to CuPy (a VMM block or use, a legacy IPC use), or
     None for memory of CuPy's own."""
     return getattr(mem, "_owner", None) if isinstance(mem, cp.cuda.UnownedMemory) else None
 
 
-def reduce_cupy_array(arr):
+def reduce_cupy_array(arr: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     cp = _device.cupy()  # the fork error, before any driver call
     _release.poll()
     if arr.size == 0:
@@ -31,7 +37,7 @@ def reduce_cupy_array(arr):
     return _ipc.reduce_array(cp, arr, mem, owner)
 
 
-def lane_dumps(arr):
+def lane_dumps(arr: Any) -> tuple[bytes, LaneContext] | None:
     """A message that is ``arr`` alone, without a pickler: by the VMM lane or the legacy
     IPC lane (None: the general path, which also raises what is wrong)."""
     cp = _device.cupy()  # the fork error, before any driver call
@@ -59,7 +65,7 @@ def collect() -> int:
     return _ipc.collect() + _vmm.collect()
 
 
-def exports() -> list[dict]:
+def exports() -> list[dict[str, Any]]:
     return _ipc.exports() + _vmm.exports()
 
 

@@ -22,12 +22,20 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 _monotonic = time.monotonic
 
 from shmtensor.ipc import ofd_lease
 
 from . import _device
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    # one release: (lease table id, slot, done), done(n) told of n releases at once
+    Release: TypeAlias = tuple[str, int, Callable[[int], None] | None]
 
 DRAIN_S = 0.002  # how long the releaser lets releases gather before draining them
 BATCH = 64       # releases that make a sending or receiving call drain first
@@ -38,10 +46,12 @@ class _Releases:
     """Owner of every release not yet carried out (one per process; reset in a fork)."""
 
     def __init__(self) -> None:
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # (device, stream, lease)
+        # (device, stream, lease)
+        self.inbox: queue.SimpleQueue[tuple[int, Any, Release]] = queue.SimpleQueue()
         self.lock = threading.Lock()   # held by the draining thread
-        self.pending: deque = deque()  # (event, device, [lease]): oldest first
-        self.idle_events: dict[int, list] = {}  # device -> events done, to record again
+        # (event, device, [lease]): oldest first
+        self.pending: deque[tuple[Any, int, list[Release]]] = deque()
+        self.idle_events: dict[int, list[Any]] = {}  # device -> events done, to record again
         self.started = False           # the releaser thread (under lock)
         self.last = 0.0                # time.monotonic() of the last drain
 
@@ -49,7 +59,8 @@ class _Releases:
 _r = _Releases()
 
 
-def enqueue(device: int, table_id: str, slot: int, done=None) -> None:
+def enqueue(device: int, table_id: str, slot: int,
+            done: Callable[[int], None] | None = None) -> None:
     """From a finalizer: release ``(table_id, slot)`` once the work this thread queued on
     ``device``'s current stream is done, then call ``done(n)``: ``n`` releases that
     gave the same ``done`` object are reported in one call.  Takes no lock."""
@@ -116,7 +127,7 @@ def drain(block: bool) -> None:
 def _flush(r: _Releases) -> None:
     """One event per (device, stream) for the releases enqueued so far (caller holds lock)."""
     cp = _device._cp
-    groups: dict[tuple, tuple] = {}
+    groups: dict[tuple[int, int], tuple[Any, list[Release]]] = {}
     while True:
         try:
             device, stream, lease = r.inbox.get_nowait()
@@ -140,7 +151,7 @@ def _flush(r: _Releases) -> None:
             _release_now(device, leases)
 
 
-def _record(cp, r: _Releases, device: int, stream: int):
+def _record(cp: Any, r: _Releases, device: int, stream: int) -> Any:
     with cp.cuda.Device(device):
         idle = r.idle_events.get(device)
         ev = idle.pop() if idle else cp.cuda.Event(block=False, disable_timing=True)
@@ -148,7 +159,7 @@ def _record(cp, r: _Releases, device: int, stream: int):
     return ev
 
 
-def _release_now(device: int | None, leases: list) -> None:
+def _release_now(device: int | None, leases: list[Release]) -> None:
     """Release ``leases`` without an event: after ``device``'s work, if it can still say."""
     if device is not None:
         try:
@@ -158,8 +169,8 @@ def _release_now(device: int | None, leases: list) -> None:
         except Exception:  # the driver is going away: dying releases anyway
             pass
     # grouped: one take of each holding's lock, one call of each ``done`` with its count
-    slots: dict[str, list] = {}
-    dones: dict = {}
+    slots: dict[str, list[int]] = {}
+    dones: dict[Callable[[int], None], int] = {}
     for table_id, slot, done in leases:
         group = slots.get(table_id)
         if group is None:

@@ -25,12 +25,17 @@ import pickle
 import queue
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, final
 
 from shmtensor.ipc import cuda_ipc, cuda_vmm, ofd_lease
 from shmtensor.ipc.scm_rights import close_fds
 
 from .. import _wire
 from . import _device, _events, _release
+
+if TYPE_CHECKING:
+    import numpy
 
 SMALL_MAX = 1 << 20         # requests up to this many bytes share slabs
 MIN_BLOCK = 512             # smallest block (CuPy's own pool rounds to 512 B too)
@@ -42,11 +47,13 @@ MAPPED_IDLE_BYTES = 1 << 30
 _lock = threading.RLock()
 _serial = 0
 _slabs: dict[str, "_Slab"] = {}                      # own slabs by key
-_free: dict[tuple, list] = {}                        # (device, stream, block) -> [(slab, i)]
-_held: dict[tuple, deque] = {}                       # same keys: freed here, held elsewhere
+# (device, stream, block) -> [(slab, i)]
+_free: dict[tuple[int, int, int], list[tuple[_Slab, int]]] = {}
+_held: dict[tuple[int, int, int], deque[tuple[_Slab, int]]] = {}  # freed here, held elsewhere
 _maps: "OrderedDict[str, _SlabMap]" = OrderedDict()  # other processes' slabs, LRU
 _granularity: dict[int, int] = {}
-_freed: queue.SimpleQueue = queue.SimpleQueue()  # (slab, index, stream) of dead _Blocks
+# (slab, index, stream) of dead _Blocks
+_freed: queue.SimpleQueue[tuple[_Slab, int, int]] = queue.SimpleQueue()
 _ready: dict[int, str] = {}                          # device -> bus id, once VMM is checked
 
 
@@ -54,6 +61,12 @@ class _Mapped:
     """A slab mapped in this process at ``ptr``; ``fd`` is what a message carries for it."""
 
     __slots__ = ("key", "device", "bus_id", "ptr", "size", "fd")
+    key: str
+    device: int
+    bus_id: str
+    ptr: int
+    size: int
+    fd: int
 
 
 class _Slab(_Mapped):
@@ -61,19 +74,29 @@ class _Slab(_Mapped):
     process's lease table, whose slots its blocks get."""
 
     __slots__ = ("block", "slots", "live", "table_id")
+    block: int
+    slots: list[int]  # each block's lease slot, 0 until first sent
+    live: int
+    table_id: str
 
 
 class _SlabMap(_Mapped):
     """Another process's slab; ``users``: its blocks held by live arrays or a message."""
 
     __slots__ = ("users", "done")
+    users: int
+    done: Callable[[int], None]
 
 
+@final
 class _Block:
     """Owner of one allocated block in its producer: its death enqueues the block for the
     next :func:`malloc` (or :func:`collect`) to free (a finalizer takes no lock)."""
 
     __slots__ = ("slab", "index", "stream")
+    slab: _Slab
+    index: int
+    stream: int
 
     def __del__(self) -> None:
         _freed.put((self.slab, self.index, self.stream))
@@ -86,6 +109,10 @@ class _VUse:
     with a callback on a path taken once per message; it takes no lock."""
 
     __slots__ = ("slab", "table_id", "slot", "done")
+    slab: _Mapped
+    table_id: str
+    slot: int
+    done: Callable[[int], None] | None
 
     def __del__(self) -> None:
         _release.enqueue(self.slab.device, self.table_id, self.slot, self.done)
@@ -101,7 +128,7 @@ def _block_size(device: int, nbytes: int) -> int:
     return -(-nbytes // g) * g
 
 
-def _prepare(cp, device: int) -> None:
+def _prepare(cp: Any, device: int) -> None:
     """Check once per device that VMM with POSIX fds works there; learn its granularity."""
     if device in _ready:
         return
@@ -115,7 +142,7 @@ def _prepare(cp, device: int) -> None:
     _ready[device] = _device.bus_id(cp, device)  # last: marks it ready
 
 
-def _new_slab(cp, device: int, block: int) -> "_Slab":
+def _new_slab(cp: Any, device: int, block: int) -> "_Slab":
     """A slab of blocks of ``block`` bytes: driver calls only, made outside ``_lock`` (an
     allocation, or a retry after giving memory back, must not stall other threads)."""
     global _serial
@@ -153,14 +180,14 @@ def _new_slab(cp, device: int, block: int) -> "_Slab":
     return s
 
 
-def _add_slab(s: "_Slab", key: tuple) -> None:
+def _add_slab(s: "_Slab", key: tuple[int, int, int]) -> None:
     """Make ``s`` (block 0 taken) this process's (caller holds ``_lock``)."""
     _slabs[s.key] = s
     if len(s.slots) > 1:
         _free.setdefault(key, []).extend((s, i) for i in range(len(s.slots) - 1, 0, -1))
 
 
-def _reclaim(key: tuple):
+def _reclaim(key: tuple[int, int, int]) -> tuple[_Slab, int] | None:
     """A block freed here earlier whose lease nobody holds any more, or None (caller holds
     ``_lock``).  The oldest ``RECLAIM`` held blocks are looked at together (see
     ``LeaseTable.unheld``); those found free wait in ``_free`` for the next allocations."""
@@ -202,7 +229,7 @@ def _take_freed() -> None:
             slab.live -= 1
 
 
-def malloc(nbytes: int):
+def malloc(nbytes: int) -> Any:
     """CuPy allocator: ``nbytes`` of shared device memory on the current device and stream
     (what ``cupy.cuda.set_allocator(shmtensor.cuda.malloc)`` installs)."""
     cp = _device.cupy()
@@ -219,6 +246,7 @@ def malloc(nbytes: int):
         if not _freed.empty():
             _take_freed()
         free = _free.get(key)
+        found: tuple[_Slab, int] | None
         if free:
             found = free.pop()
             found[0].live += 1
@@ -248,9 +276,11 @@ def _slot_of(owner: _Block) -> int:
     return slot
 
 
-def reduce_array(cp, arr, mem, owner):
+def reduce_array(cp: Any, arr: Any, mem: Any, owner: _Block | _VUse
+                 ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """An array on shared memory: its slab (whose fd travels once per message), its place in
     it, and its block's lease (this process's, or the producer's when forwarding)."""
+    slab: _Mapped
     if isinstance(owner, _Block):
         slab, table_id, slot = owner.slab, owner.slab.table_id, _slot_of(owner)
     else:
@@ -306,8 +336,8 @@ def _unpin(s: _Mapped) -> None:
         s.users -= 1
 
 
-def _use(s: _Mapped, table_id: str, slot: int, lease_fd: int, deferred: list | None
-         ) -> tuple["_VUse", bool]:
+def _use(s: _Mapped, table_id: str, slot: int, lease_fd: int,
+         deferred: _wire.Deferred | None) -> tuple["_VUse", bool]:
     """A new owner of arrays on block ``slot`` of slab ``s`` (caller holds ``_lock``), and
     whether ``lease_fd`` was kept as the block's hold.  It holds the block once more:
     ``ofd_lease.hold`` with ``deferred``, or, when ``deferred`` is None (a loaded one-array
@@ -328,16 +358,18 @@ def _use(s: _Mapped, table_id: str, slot: int, lease_fd: int, deferred: list | N
     return use, kept
 
 
-_dtypes: dict = {}      # dtype.str -> numpy dtype: CuPy takes a dtype faster than a string
-_dtype_strs: dict = {}  # and back: numpy makes a new string for each .str
+# dtype.str -> numpy dtype: CuPy takes a dtype faster than a string
+_dtypes: dict[str, numpy.dtype[Any]] = {}
+_dtype_strs: dict[numpy.dtype[Any], str] = {}  # and back: numpy makes a new string each .str
 
 
-def _numpy_dtype(dtype: str):
+def _numpy_dtype(dtype: str) -> numpy.dtype[Any]:
     import numpy
     return numpy.dtype(dtype)
 
 
-def _array(cp, s: _Mapped, use: "_VUse", offset, shape, strides, dtype):
+def _array(cp: Any, s: _Mapped, use: "_VUse", offset: int, shape: tuple[int, ...],
+           strides: tuple[int, ...] | None, dtype: str) -> Any:
     dt = _dtypes.get(dtype)
     if dt is None:
         dt = _dtypes[dtype] = _numpy_dtype(dtype)
@@ -347,8 +379,9 @@ def _array(cp, s: _Mapped, use: "_VUse", offset, shape, strides, dtype):
     return cp.ndarray(shape, dt, cp.cuda.MemoryPointer(mem, offset), strides)
 
 
-def _rebuild_array(key, bus_id, size, fd_i, offset, shape, strides, dtype, table_id, slot,
-                   lock_i, event_handle):
+def _rebuild_array(key: str, bus_id: str, size: int, fd_i: int, offset: int,
+                   shape: tuple[int, ...], strides: tuple[int, ...], dtype: str, table_id: str,
+                   slot: int, lock_i: int, event_handle: bytes | None) -> Any:
     cp = _device.cupy()
     _release.poll()
     _release.ensure_releaser()
@@ -379,10 +412,12 @@ def _rebuild_array(key, bus_id, size, fd_i, offset, shape, strides, dtype, table
 LANE = b"\0V"
 
 
-def lane_dumps(cp, arr, mem, owner):
+def lane_dumps(cp: Any, arr: Any, mem: Any, owner: _Block | _VUse
+               ) -> tuple[bytes, _wire.LaneContext] | None:
     """``arr`` alone as a message ``(payload, LaneContext)``, or None when it is not on the
     current device; ``mem``/``owner``: its memory and that memory's owner, one of
     ``SHARED_OWNERS`` (the caller checked CuPy and the fork first)."""
+    slab: _Mapped
     if type(owner) is _Block:
         slab = owner.slab
         slot = slab.slots[owner.index] or _slot_of(owner)
@@ -408,7 +443,7 @@ def lane_dumps(cp, arr, mem, owner):
             _wire.LaneContext(mem, slab.fd, table_id, slot))
 
 
-def lane_loads(data, fds: list[int]):
+def lane_loads(data: _wire.Payload, fds: list[int]) -> Any:
     """The array of a :func:`lane_dumps` message; closes every fd it does not keep.
 
     :func:`_mapping`, :func:`_use` and :func:`_array` in one function: this runs once per
@@ -420,7 +455,7 @@ def lane_loads(data, fds: list[int]):
         _release.poll()
         _release.ensure_releaser()
         with _lock:
-            s = _slabs.get(key)
+            s: _Mapped | None = _slabs.get(key)
             if s is None:  # another process's slab: mapped, and pinned, which is the use's count
                 s, took = _mapping(key, bus_id, size, fds[0])
                 if took:
@@ -428,9 +463,9 @@ def lane_loads(data, fds: list[int]):
                 try:
                     kept = ofd_lease.hold_sole(table_id, slot, fds[1])
                 except BaseException:
-                    s.users -= 1
+                    s.users -= 1  # type: ignore[attr-defined]  # not own: a _SlabMap
                     raise
-                done = s.done
+                done = s.done  # type: ignore[attr-defined]  # not own: a _SlabMap
             else:  # back where it was made
                 kept = ofd_lease.hold_sole(table_id, slot, fds[1])
                 done = None
@@ -475,7 +510,7 @@ def _evict(keep: int, keep_bytes: int) -> int:
     with _lock:
         idle = [m for m in _maps.values() if m.users == 0]
         total = sum(m.size for m in idle)
-        gone = []
+        gone: list[_SlabMap] = []
         for m in idle:
             if len(idle) - len(gone) <= keep and total <= keep_bytes:
                 break
@@ -501,10 +536,12 @@ def collect() -> int:
     table = ofd_lease.own_table() if _slabs else None
     with _lock:
         _take_freed()
+        # table is None only if a slab was made since the check above: a race, which
+        # raises AttributeError here once a block of it is held
         for key, held in list(_held.items()):
             for _ in range(len(held)):
                 slab, i = held.popleft()
-                if table.is_held(slab.slots[i]):
+                if table.is_held(slab.slots[i]):  # type: ignore[union-attr]  # the race
                     held.append((slab, i))
                 else:
                     _free.setdefault(key, []).append((slab, i))
@@ -526,12 +563,15 @@ def collect() -> int:
     return len(empty)
 
 
-def exports() -> list[dict]:
+def exports() -> list[dict[str, Any]]:
     """Blocks freed here that other processes still hold (or that wait for :func:`collect`)."""
     table = ofd_lease.own_table() if _slabs else None
     with _lock:
+        # table is None only if a slab was made since the check above: a race, which
+        # raises AttributeError here once a block of it is held
         return [{"kind": "vmm", "device": s.device, "base": s.ptr + i * s.block,
-                 "size": s.block, "slot": s.slots[i], "held": table.is_held(s.slots[i])}
+                 "size": s.block, "slot": s.slots[i],
+                 "held": table.is_held(s.slots[i])}  # type: ignore[union-attr]  # the race
                 for held in list(_held.values()) for s, i in list(held)]
 
 
