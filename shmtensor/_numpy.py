@@ -21,8 +21,11 @@ table file, one in-flight lock description and, for memfds, the segment fds (see
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
+from typing import Any, Literal, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from shmtensor.ipc import ofd_lease, scm_rights
 
@@ -30,23 +33,27 @@ from . import _log, _registry, _segments, _stats, _strategy, _wire
 from ._reductions import NUMPY_LANE
 from ._segments import FD, Segment
 from ._wire import LaneContext, attach_fd, inflight_index, keep_alive, received_fd, received_lease
+from ._wire import Payload
+
+# What a reducer of this package returns: the rebuild function and its arguments
+Reduction = tuple[Callable[..., Any], tuple[Any, ...]]
 
 
-def _dt(dt: np.dtype):
+def _dt(dt: np.dtype[Any]) -> str | np.dtype[Any]:
     return dt.str if dt.fields is None and dt.subdtype is None and not dt.metadata else dt
 
 
 def _ptr(a: np.ndarray) -> int:
-    return a.__array_interface__["data"][0]
+    return cast(int, a.__array_interface__["data"][0])
 
 
-def _reduce_ndarray(a: np.ndarray):
+def _reduce_ndarray(a: np.ndarray) -> tuple[Any, ...]:
     if a.dtype.hasobject:
         _log.once("numpy-object", _log.INFO,
                   "shmtensor: an array of dtype %s was pickled by value (numpy's own "
                   "reduction): Python objects cannot live in shared memory. Use a numeric or "
                   "structured dtype to share it. (Reported once per process.)", a.dtype)
-        return a.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return cast("tuple[Any, ...]", a.__reduce_ex__(pickle.HIGHEST_PROTOCOL))  # a tuple
     seg = _segments.segment_of(a)
     if seg is not None:
         if seg.kind != FD or seg.fd is not None:
@@ -70,7 +77,7 @@ def _reduce_ndarray(a: np.ndarray):
     return _reduce_root(a)
 
 
-def _reduce_root(a: np.ndarray):
+def _reduce_root(a: np.ndarray) -> tuple[Any, ...]:
     """An array sent by value: inline when small, else copied once into a segment."""
     if a.nbytes < _strategy.get_inline_threshold():
         _stats.bump("arrays_sent_inline")
@@ -78,7 +85,7 @@ def _reduce_root(a: np.ndarray):
         # order on the way ('>i4' arrives as int32): a contiguous copy keeps it, and
         # costs little under the inline threshold.
         src = a if a.flags.c_contiguous or a.flags.f_contiguous else np.ascontiguousarray(a)
-        rv = src.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        rv = cast("tuple[Any, ...]", src.__reduce_ex__(pickle.HIGHEST_PROTOCOL))  # a tuple
         return rv if a.flags.writeable else (_rebuild_readonly, rv[:3])
     kind = _strategy.get_sharing_strategy()
     if a.nbytes <= _segments.SLAB_ITEM_MAX:
@@ -89,7 +96,7 @@ def _reduce_root(a: np.ndarray):
     # Anchored until the message is sent: a segment nobody holds could be handed to another
     # thread's send and overwritten before this message's in-flight lock covers it.
     keep_alive(anchor)
-    order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
+    order: Literal["C", "F"] = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
     dst = np.ndarray(a.shape, a.dtype, buffer=anchor, offset=offset, order=order)
     np.copyto(dst, a, casting="no")
     _stats.bump("arrays_sent_copied")
@@ -98,10 +105,12 @@ def _reduce_root(a: np.ndarray):
               "(arrays of the inline threshold or more that are not shared already are "
               "copied once). Make it with shmtensor.empty/zeros, or a BatchPool, to send it "
               "without a copy. (Reported once per process.)", a.nbytes)
-    return _reduce_on(dst, _segments.segment_of(anchor), not a.flags.writeable, True)
+    # anchor is a segment's: segment_of finds it
+    return _reduce_on(dst, cast(Segment, _segments.segment_of(anchor)), not a.flags.writeable,
+                      True)
 
 
-def _reduce_on(a: np.ndarray, seg: Segment, readonly: bool, copied: bool = False):
+def _reduce_on(a: np.ndarray, seg: Segment, readonly: bool, copied: bool = False) -> Reduction:
     """``copied``: ``a`` is a copy made only to send a plain array (see _rebuild_array)."""
     args = (seg, _ptr(a) - seg.address, a.shape, a.strides, _dt(a.dtype), readonly)
     return _rebuild_array, (args + (True,) if copied else args)
@@ -112,7 +121,7 @@ def _reduce_on(a: np.ndarray, seg: Segment, readonly: bool, copied: bool = False
 # fds (the segment's memfd, if it is one, then the in-flight description of its lease,
 # which the receiver keeps as its hold).  Anything else takes the pickler.
 
-def lane_dumps(a: np.ndarray):
+def lane_dumps(a: np.ndarray) -> tuple[bytes, LaneContext] | None:
     """``a`` alone as a message ``(payload, LaneContext)``, or None when it is not shared."""
     seg = _segments.segment_of(a)
     if seg is None or (seg.kind == FD and seg.fd is None) or a.dtype.hasobject:
@@ -130,10 +139,11 @@ def lane_dumps(a: np.ndarray):
             LaneContext(anchor, seg.fd if seg.kind == FD else None, seg.table_id, seg.slot))
 
 
-_dtypes: dict = {}  # dtype strings of lane messages -> numpy dtypes (a few, never evicted)
+# dtype strings of lane messages -> numpy dtypes (a few, never evicted)
+_dtypes: dict[str, np.dtype[Any]] = {}
 
 
-def lane_loads(data, fds: list[int]):
+def lane_loads(data: Payload, fds: list[int]) -> np.ndarray:
     """The array of a :func:`lane_dumps` message; closes every fd it does not keep.
     The message's in-flight description covers this one slot, so it may itself become the
     hold (``_segments.receive_sole``), with nothing deferred."""
@@ -154,15 +164,16 @@ def lane_loads(data, fds: list[int]):
         scm_rights.close_fds(fds)
 
 
-def _reduce_segment(seg: Segment):
+def _reduce_segment(seg: Segment) -> Reduction:
     ctx = _wire.send_context()
     ctx.keep.append(seg.anchor())
     i = inflight_index(seg.table_id, seg.slot)
-    d = attach_fd(seg.fd) if seg.kind == FD else -1
+    d = attach_fd(cast(int, seg.fd)) if seg.kind == FD else -1  # an FD segment sent has its fd
     return _rebuild_segment, (seg.key, seg.kind, seg.size, seg.table_id, seg.slot, d, i)
 
 
-def _rebuild_segment(key, kind, size, table_id, slot, data_i, lock_i):
+def _rebuild_segment(key: str, kind: str, size: int, table_id: str, slot: int, data_i: int,
+                     lock_i: int) -> np.ndarray:
     lease_fd, deferred = received_lease(table_id, slot, lock_i)
     # the message's fd list: a kept memfd leaves it as the segment takes it
     fds = _wire.received_fds() if data_i >= 0 else None
@@ -170,12 +181,15 @@ def _rebuild_segment(key, kind, size, table_id, slot, data_i, lock_i):
                              max(data_i, 0))[0]
 
 
-def _rebuild_array(anchor, offset, shape, strides, dtype, readonly, copied=False):
+def _rebuild_array(anchor: np.ndarray, offset: int, shape: tuple[int, ...],
+                   strides: tuple[int, ...] | None, dtype: npt.DTypeLike, readonly: bool,
+                   copied: bool = False) -> np.ndarray:
     """A received array on shared memory.  One the sender ``copied`` there only to send it
     (a plain array, not a shared one) is a value: where the channel keeps values (a
     manager's server), it becomes a private copy, so that what the server hands out later
     is copied again, as the stdlib's manager does, and never a view two readers write."""
-    a = np.ndarray(shape, np.dtype(dtype), buffer=anchor, offset=offset, strides=strides)
+    a: np.ndarray = np.ndarray(shape, np.dtype(dtype), buffer=anchor, offset=offset,
+                               strides=strides)
     if copied and _wire.private_values():
         a = a.copy(order="K")  # the segment's hold goes with the view
     if readonly:
@@ -184,7 +198,8 @@ def _rebuild_array(anchor, offset, shape, strides, dtype, readonly, copied=False
     return a
 
 
-def _rebuild_readonly(fn, args, state=None):
+def _rebuild_readonly(fn: Callable[..., np.ndarray], args: tuple[Any, ...],
+                      state: tuple[Any, ...] | None = None) -> np.ndarray:
     """numpy's own reduction of a read-only array (which arrives writeable), read-only."""
     a = fn(*args)
     if state is not None:
@@ -193,7 +208,8 @@ def _rebuild_readonly(fn, args, state=None):
     return a
 
 
-def _rebuild_view(root, offset, shape, strides, dtype, readonly):
+def _rebuild_view(root: np.ndarray, offset: int, shape: tuple[int, ...],
+                  strides: tuple[int, ...], dtype: npt.DTypeLike, readonly: bool) -> np.ndarray:
     flat = root.ravel(order="K").view(np.uint8) if root.size else np.empty(0, np.uint8)
     if 0 in shape:
         a = np.empty(shape, np.dtype(dtype))

@@ -35,8 +35,19 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from types import ModuleType
+from typing import TYPE_CHECKING, cast
 
 from . import _registry
+
+if TYPE_CHECKING:  # names for annotations only: this module never imports torch itself
+    from collections.abc import Callable
+
+    import numpy as np
+    import torch
+    from torch import Tensor, UntypedStorage
+
+    from ._numpy import Reduction
 
 # debug_info() counters: storages sent as a handle to a segment, as torch's shared-memory
 # fd, copied into a segment, inline; storages received; collate batches made in segments
@@ -61,20 +72,21 @@ def _after_fork_in_child() -> None:
     _counts_lock = threading.Lock()
 
 
-def _torch():
+def _torch() -> ModuleType:
     torch = sys.modules.get("torch")
     if torch is None:
         import torch
-    return torch
+    return cast(ModuleType, torch)  # the import above binds it when it was None
 
 
 # --- sending ------------------------------------------------------------------------------
 
-def reduce_storage(storage):
+def reduce_storage(storage: UntypedStorage) -> Reduction:
     """A CPU ``UntypedStorage``: a handle to its segment, a copy in one, or inline bytes."""
     if storage.device.type != "cpu":  # CUDA, meta: torch's own (which refuses CUDA storages)
         from torch.multiprocessing.reductions import reduce_storage as torch_reduce
-        return torch_reduce(storage)
+        # torch's reducer is unannotated
+        return torch_reduce(storage)  # type: ignore[no-untyped-call,no-any-return]
     return _storage_out(storage)
 
 
@@ -88,7 +100,7 @@ def _storages_sent() -> set[int]:
     return sent
 
 
-def _storage_out(storage):
+def _storage_out(storage: UntypedStorage) -> Reduction:
     from . import _segments, _strategy, _wire
     _storages_sent().add(id(storage))
     nbytes = storage.nbytes()
@@ -121,25 +133,26 @@ def _storage_out(storage):
     return _rebuild_storage, (_segments.segment_of(anchor), offset, nbytes)
 
 
-def _torch_shared_fd(storage) -> int | None:
+def _torch_shared_fd(storage: UntypedStorage) -> int | None:
     """The fd of a storage in torch's shared memory (file_descriptor strategy), else None.
     (One shared by name, torch's file_system strategy, is copied: its name is torch's
     shared-memory manager's to keep.)"""
     if not storage.is_shared():
         return None
     try:
-        return storage._get_shared_fd()
+        # a private method, absent from torch's stubs
+        return storage._get_shared_fd()  # type: ignore[attr-defined,no-any-return]
     except (RuntimeError, AttributeError):
         return None
 
 
-def _bytes_of(storage):
+def _bytes_of(storage: UntypedStorage) -> np.ndarray:
     """The storage's bytes as a numpy uint8 array over its memory (no copy)."""
     torch = _torch()
-    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+    return cast("np.ndarray", torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
 
 
-def _room(nbytes: int):
+def _room(nbytes: int) -> tuple[np.ndarray, int]:
     """``nbytes`` of an own segment nobody holds (recycled when one is free): its anchor and
     the offset, as numpy's arrays get them (a slab's room up to 1 MiB)."""
     from . import _segments, _strategy
@@ -155,13 +168,14 @@ _NON_LEAF = ("Cowardly refusing to serialize non-leaf tensor which requires_grad
              "putting it on the queue).")
 
 
-def reduce_tensor(t):
+def reduce_tensor(t: Tensor) -> Reduction:
     """A CPU strided tensor: its storage (see :func:`reduce_storage`) and its place in it."""
     torch = _torch()
     if (t.device.type != "cpu" or t.layout is not torch.strided or t.is_nested
             or t.is_quantized):
         from torch.multiprocessing.reductions import reduce_tensor as torch_reduce
-        return torch_reduce(t)
+        # torch's reducer is unannotated
+        return torch_reduce(t)  # type: ignore[no-untyped-call,no-any-return]
     if t.requires_grad and not t.is_leaf:
         raise RuntimeError(_NON_LEAF)
     torch.utils.hooks.warn_if_has_hooks(t)
@@ -178,7 +192,7 @@ def reduce_tensor(t):
                              t.stride(), t.dtype, t.requires_grad)
 
 
-def _extent(t) -> int:
+def _extent(t: Tensor) -> int:
     """Elements from the tensor's first to its last one, inclusive (0 when empty)."""
     if t.numel() == 0:
         return 0
@@ -190,14 +204,14 @@ def _inline_threshold() -> int:
     return _strategy.get_inline_threshold()
 
 
-def _is_shared(storage) -> bool:
+def _is_shared(storage: UntypedStorage) -> bool:
     """Whether the storage crosses without a copy: on a segment, or torch's by fd."""
     from . import _segments
     return storage.nbytes() > 0 and (_segments.segment_at(storage.data_ptr()) is not None
                                      or _torch_shared_fd(storage) is not None)
 
 
-def _compact(t, nbytes: int):
+def _compact(t: Tensor, nbytes: int) -> Reduction:
     """A small view of a large storage that is not shared: its elements alone, copied once
     into a storage of their own (over a segment, or inline when small)."""
     torch = _torch()
@@ -216,32 +230,39 @@ def _compact(t, nbytes: int):
 
 # --- receiving (these functions' import paths are part of the wire format) -----------------
 
-def _rebuild_storage(anchor, offset: int, nbytes: int):
+def _rebuild_storage(anchor: np.ndarray, offset: int, nbytes: int) -> UntypedStorage:
     """A storage over ``nbytes`` of a segment's anchor: its life keeps the anchor's."""
     _bump("torch_storages_received")
-    return _torch().from_numpy(anchor[offset:offset + nbytes]).untyped_storage()
+    return cast("UntypedStorage", _torch().from_numpy(anchor[offset:offset + nbytes])
+                .untyped_storage())
 
 
-def _rebuild_storage_fd(data_i: int, nbytes: int):
+def _rebuild_storage_fd(data_i: int, nbytes: int) -> UntypedStorage:
     """A storage in torch shared memory, mapped from the fd that came with the message
     (torch duplicates it; the message's copy is closed after loading)."""
     from . import _wire
     _bump("torch_storages_received")
-    return _torch().UntypedStorage._new_shared_fd_cpu(_wire.received_fd(data_i), nbytes)
+    return cast("UntypedStorage", _torch().UntypedStorage._new_shared_fd_cpu(
+        _wire.received_fd(data_i), nbytes))
 
 
-def _rebuild_storage_inline(data: bytes):
+def _rebuild_storage_inline(data: bytes) -> UntypedStorage:
     torch = _torch()
     if not data:
-        return torch.UntypedStorage(0)
-    return torch.UntypedStorage.from_buffer(data, dtype=torch.uint8)
+        return cast("UntypedStorage", torch.UntypedStorage(0))
+    return cast("UntypedStorage", torch.UntypedStorage.from_buffer(data, dtype=torch.uint8))
 
 
-def _rebuild_tensor(cls, storage, offset: int, shape, stride, dtype, requires_grad: bool):
+def _rebuild_tensor(cls: type[Tensor], storage: UntypedStorage, offset: int,
+                    shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype,
+                    requires_grad: bool) -> Tensor:
     torch = _torch()
-    t = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+    t: Tensor = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
     if cls is torch.nn.Parameter:
-        return torch.nn.Parameter(t, requires_grad=requires_grad)
+        # the `is` above narrows torch.nn.Parameter (Any here) to cls's type, type[Tensor],
+        # whose constructor takes no requires_grad: the call is Parameter's
+        return torch.nn.Parameter(  # type: ignore[call-overload,no-any-return]
+            t, requires_grad=requires_grad)
     if requires_grad:
         t.requires_grad_(True)
     return t
@@ -249,18 +270,21 @@ def _rebuild_tensor(cls, storage, offset: int, shape, stride, dtype, requires_gr
 
 # --- DataLoader workers: batches made in segments -------------------------------------------
 
-_torch_new_shared = None  # torch's UntypedStorage._new_shared (the bound classmethod)
+# torch's UntypedStorage._new_shared (the bound classmethod)
+_torch_new_shared: Callable[..., UntypedStorage] | None = None
 
 
-def _new_shared(size: int, *, device="cpu"):
+def _new_shared(size: int, *, device: str | torch.device = "cpu") -> UntypedStorage:
     """``UntypedStorage._new_shared`` while torch is imported: in a DataLoader worker that
     shmtensor's context started (whose batches go on shmtensor's queue), a CPU storage over
     a recycled segment, which crosses without a copy; anywhere else torch's own."""
     if _in_shmtensor_worker() and _torch().device(device).type == "cpu":
         anchor, offset = _room(size)
         _bump("torch_batches_in_segments")
-        return _torch().from_numpy(anchor[offset:offset + size]).untyped_storage()
-    return _torch_new_shared(size, device=device)
+        return cast("UntypedStorage", _torch().from_numpy(anchor[offset:offset + size])
+                    .untyped_storage())
+    # set by _install before it installs this function
+    return cast("Callable[..., UntypedStorage]", _torch_new_shared)(size, device=device)
 
 
 def _in_shmtensor_worker() -> bool:
