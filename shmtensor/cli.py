@@ -21,6 +21,9 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
+from types import FrameType
+from typing import Any, TextIO, cast
 
 import psutil
 
@@ -29,8 +32,12 @@ from shmtensor.ipc import janitor, posix_shm, procfs
 
 LEAK_EXIT = 97  # leak-check's exit status when the command leaked (distinct for CI)
 
+Row = dict[str, Any]  # one row of a listing or report: JSON-ready, keyed by column
+# parse_name of a name procfs listed (a shmtensor name: never None)
+_NameFields = tuple[int, str, str]
 
-def _say(text: str, stream=None) -> None:
+
+def _say(text: str, stream: TextIO | None = None) -> None:
     """Print a line; once the reader has gone (``| head``), drop the rest of the output
     quietly instead of failing with BrokenPipeError."""
     stream = sys.stdout if stream is None else stream
@@ -71,7 +78,7 @@ def _user(uid: int | None) -> str | None:
     return _USERS[uid]
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     """``n`` bytes in binary units: 512 B, 8.0 KiB, 1.5 MiB, 2.0 GiB, 1.0 TiB."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -80,7 +87,7 @@ def _size(n: int) -> str:
     return str(n)
 
 
-def segments(entries: dict[str, os.stat_result] | None = None) -> list[dict]:
+def segments(entries: dict[str, os.stat_result] | None = None) -> list[Row]:
     """Every shmtensor segment: named ones in /dev/shm (regular files: see
     :func:`not_segments`) and memfds some process maps or holds.
 
@@ -93,17 +100,18 @@ def segments(entries: dict[str, os.stat_result] | None = None) -> list[dict]:
         entries = procfs.shm_entries()
     named = {n: st for n, st in entries.items() if stat.S_ISREG(st.st_mode)}
     now = time.time()
-    rows = []
+    rows: list[Row] = []
     for name in sorted(set(named) | (set(uses) - set(entries))):
-        pid, token, serial = posix_shm.parse_name(name)
+        pid, token, serial = cast(_NameFields, posix_shm.parse_name(name))
         if serial == "lease":
             continue
         use = uses.get(name)
         st = named.get(name)
         creator_uid = _process_uid(pid)
-        owner_uid = st.st_uid if st else use.uid
+        owner_uid = st.st_uid if st else cast(procfs.SegmentUse, use).uid  # no file: in uses
         rows.append({"name": name, "kind": "named" if st else "memfd",
-                     "size": st.st_size if st else use.size, "creator_pid": pid,
+                     "size": st.st_size if st else cast(procfs.SegmentUse, use).size,
+                     "creator_pid": pid,
                      "creator_alive": creator_uid is not False,
                      "creator_uid": None if creator_uid is False else creator_uid,
                      "owner_uid": owner_uid, "owner": _user(owner_uid),
@@ -113,7 +121,7 @@ def segments(entries: dict[str, os.stat_result] | None = None) -> list[dict]:
     return rows
 
 
-def not_segments(entries: dict[str, os.stat_result] | None = None) -> list[dict]:
+def not_segments(entries: dict[str, os.stat_result] | None = None) -> list[Row]:
     """What sits in /dev/shm under a shmtensor-like name and is not a regular file (a FIFO,
     a symlink, a directory): shmtensor never makes one, so it is not ours.  Listed, never
     opened, followed or removed."""
@@ -123,14 +131,14 @@ def not_segments(entries: dict[str, os.stat_result] | None = None) -> list[dict]
             for n, st in sorted(entries.items()) if not stat.S_ISREG(st.st_mode)]
 
 
-def _say_not_segments(rows: list[dict]) -> None:
+def _say_not_segments(rows: list[Row]) -> None:
     for r in rows:
         _say(f"not a segment: {posix_shm.SHM_DIR}/{r['name']} is a {r['kind']} (owner "
              f"{_user(r['uid'])}, uid {r['uid']}); shmtensor makes regular files only, so it "
              "did not make this one and leaves it alone: remove it by hand if it is unwanted")
 
 
-def _say_foreign_owners(rows: list[dict]) -> None:
+def _say_foreign_owners(rows: list[Row]) -> None:
     """One line per segment whose file belongs to another user than its creator pid's."""
     for r in rows:
         if None not in (r["owner_uid"], r["creator_uid"]) and r["owner_uid"] != r["creator_uid"]:
@@ -140,7 +148,7 @@ def _say_foreign_owners(rows: list[dict]) -> None:
                  "name, or the pid was reused after its creator ended")
 
 
-def _table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
+def _table(rows: list[Row], cols: list[tuple[str, str]]) -> str:
     cells = [[h for _, h in cols]] + [[_fmt(r[k], k) for k, _ in cols] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
     return "\n".join("  ".join(c[i].ljust(widths[i]) for i in range(len(cols))) for c in cells)
@@ -149,7 +157,7 @@ def _table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
 TABLE_PIDS = 3  # pids shown in a table cell; the rest are counted (--json lists them all)
 
 
-def _fmt(v, key: str) -> str:
+def _fmt(v: Any, key: str) -> str:
     if key == "size":
         return _size(v)
     if isinstance(v, list):
@@ -191,7 +199,7 @@ _FILE_COLS = [("name", "NAME"), ("kind", "KIND"), ("size", "SIZE"), ("age_s", "A
               ("creator", "CREATOR (first process of the tree seen holding it)")]
 
 
-def _wanted(args, pid: int, holders: list[int], uid: int | None) -> bool:
+def _wanted(args: argparse.Namespace, pid: int, holders: list[int], uid: int | None) -> bool:
     """Whether a row passes ls's filters: ``pid`` is the one in its name, ``holders`` the
     processes that map or hold it, ``uid`` its owner's."""
     if args.mine and uid != os.geteuid():
@@ -199,13 +207,13 @@ def _wanted(args, pid: int, holders: list[int], uid: int | None) -> bool:
     return args.pid is None or args.pid == pid or args.pid in holders
 
 
-def cmd_ls(args) -> int:
+def cmd_ls(args: argparse.Namespace) -> int:
     entries = procfs.shm_entries()
     rows = [r for r in segments(entries)
             if _wanted(args, r["creator_pid"], r["mapped_by"] + r["fd_held_by"],
                        r["creator_uid"] if r["owner_uid"] is None else r["owner_uid"])]
     others = [r for r in not_segments(entries)
-              if _wanted(args, posix_shm.parse_name(r["name"])[0], [], r["uid"])]
+              if _wanted(args, cast(_NameFields, posix_shm.parse_name(r["name"]))[0], [], r["uid"])]
     if args.json:
         _say(json.dumps({"segments": rows, "not_segments": others}, indent=2))
         return 0
@@ -230,19 +238,20 @@ def _lease_open_somewhere() -> set[str]:
     process that holds (or may still receive) its segments."""
     tags = set()
     for name, use in procfs.scan().items():
-        pid, token, serial = posix_shm.parse_name(name)
+        pid, token, serial = cast(_NameFields, posix_shm.parse_name(name))
         if serial == "lease" and use.fd_held_by:
             tags.add(f"{pid}_{token}")
     return tags
 
 
-def cmd_clean(args) -> int:
+def cmd_clean(args: argparse.Namespace) -> int:
     janitors = janitor.running_janitors()
     leases = _lease_open_somewhere()
     entries = procfs.shm_entries()
+    failed: list[tuple[str, OSError]]
     removed, freed, failed = [], 0, []
     for row in segments(entries):
-        pid, token, _ = posix_shm.parse_name(row["name"])
+        pid, token, _ = cast(_NameFields, posix_shm.parse_name(row["name"]))
         if (row["kind"] != "named" or (row["age_s"] or 0) < CLEAN_MIN_AGE_S
                 or janitor.in_use(row["name"]) or row["creator_alive"] or row["mapped_by"]
                 or row["fd_held_by"] or row["creator_pid"] in janitors
@@ -259,9 +268,9 @@ def cmd_clean(args) -> int:
                 continue
         removed.append(row["name"])
         freed += row["size"]
-    for name, e in failed:
-        fix = " (run as its owner or root)" if isinstance(e, PermissionError) else ""
-        _say(f"cannot remove /dev/shm/{name}: {e.strerror}{fix}")
+    for name, err in failed:
+        fix = " (run as its owner or root)" if isinstance(err, PermissionError) else ""
+        _say(f"cannot remove /dev/shm/{name}: {err.strerror}{fix}")
     _say_not_segments(not_segments(entries))
     verb = "would remove" if args.dry_run else "removed"
     for name in removed:
@@ -298,7 +307,7 @@ def _shm_device() -> tuple[int, int] | None:
     return os.major(dev), os.minor(dev)
 
 
-def _openers(files: dict[int, str], pids) -> dict[str, set[int]]:
+def _openers(files: dict[int, str], pids: Iterable[int]) -> dict[str, set[int]]:
     """For files of /dev/shm given by inode, which of ``pids`` have each open or mapped now
     (``/proc/PID/fd``, ``/proc/PID/maps``; processes we may not read are skipped).  Matched
     by inode: glibc's ``sem_open`` maps a temporary name, then links it to the real one."""
@@ -393,14 +402,14 @@ class _TreeWatch:
         for name, pids in _openers(pending, [c.pid for c in children]).items():
             self.openers[name] = sorted(pids)
 
-    def files(self) -> list[dict]:
+    def files(self) -> list[Row]:
         """New non-shmtensor names still in /dev/shm that the tree made (or may have)."""
         new = {n: ino for n, ino in self.new_names().items() if _not_segment(n)}
         unseen = {ino: n for n, ino in new.items() if n not in self.openers}
         others = _openers(unseen, (int(p) for p in os.listdir("/proc")
                                    if p.isdigit() and int(p) not in self.tree)) if unseen else {}
         now = time.time()
-        rows = []
+        rows: list[Row] = []
         for name in sorted(set(new) - set(others)):
             try:
                 st = os.lstat(os.path.join(posix_shm.SHM_DIR, name))
@@ -416,13 +425,13 @@ class _TreeWatch:
                          "seen_held_by": pids, "age_s": round(now - st.st_mtime, 1)})
         return rows
 
-    def segments(self) -> list[dict]:
+    def segments(self) -> list[Row]:
         """shmtensor segments made by the tree (and new ones whose dead creator we missed)."""
         new = self.new_names()
         return [r for r in segments() if r["creator_pid"] in self.tree
                 or (r["name"] in new and not r["creator_alive"])]
 
-    def report(self) -> dict:
+    def report(self) -> Row:
         live = []
         try:
             children = psutil.Process(self.me).children(recursive=True)
@@ -434,6 +443,8 @@ class _TreeWatch:
                     live.append({"pid": child.pid, "cmdline": " ".join(child.cmdline())[:200]})
             except psutil.NoSuchProcess:
                 continue
+        files: list[Row]
+        not_counted: list[Row]
         files, not_counted = [], []
         for f in self.files():
             why = _not_leak(f["name"])
@@ -442,7 +453,7 @@ class _TreeWatch:
                 "not_counted": not_counted}
 
 
-def _run(command: list[str]) -> subprocess.Popen | int:
+def _run(command: list[str]) -> subprocess.Popen[bytes] | int:
     """Start the command, or say in one line why not and return the shell's status for it
     (127: not found, 126: found but cannot be run)."""
     try:
@@ -456,10 +467,10 @@ def _run(command: list[str]) -> subprocess.Popen | int:
         return 126
 
 
-def _wait(proc: subprocess.Popen, watch: _TreeWatch) -> int:
+def _wait(proc: subprocess.Popen[bytes], watch: _TreeWatch) -> int:
     """Wait for the command, sampling its tree; SIGTERM and SIGHUP sent to leak-check are
     passed on, and Ctrl-C is left to the command (the terminal sends it there too)."""
-    def forward(signum, _frame):
+    def forward(signum: int, _frame: FrameType | None) -> None:
         proc.send_signal(signum)
     saved = {s: signal.signal(s, h) for s, h in ((signal.SIGTERM, forward),
                                                 (signal.SIGHUP, forward),
@@ -488,7 +499,7 @@ def _status(code: int) -> tuple[int, str]:
     return 128 - code, f"command killed by {name}, status {128 - code}"
 
 
-def cmd_leak_check(args) -> int:
+def cmd_leak_check(args: argparse.Namespace) -> int:
     if not args.command:
         _say("shmtensor leak-check: no command given: shmtensor leak-check -- python train.py",
              sys.stderr)
@@ -517,7 +528,7 @@ def cmd_leak_check(args) -> int:
     status, words = _status(_wait(proc, watch))
     deadline = time.monotonic() + args.timeout
     watch.sample()
-    def left(report: dict) -> bool:
+    def left(report: Row) -> bool:
         return bool(report["segments"] or report["files"] or report["processes"])
 
     report = watch.report()
@@ -649,4 +660,4 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if getattr(args, "command", None) and args.command[0] == "--":
         args.command = args.command[1:]
-    return args.func(args)
+    return cast(int, args.func(args))  # a cmd_* function
