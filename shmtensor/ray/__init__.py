@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable, Iterable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,13 +31,17 @@ from .. import _registry
 from . import _exports, _numpy
 from ._host import SenderGone, host_id
 
+if TYPE_CHECKING:
+    from ray._private.worker import BaseContext
+    from ray.util.multiprocessing import Pool as RayPool
+
 __all__ = ["init", "register", "runtime_env", "Pool", "host_id", "SenderGone",
            "exports_held", "SETUP_HOOK"]
 
 SETUP_HOOK = "shmtensor.ray._setup_worker"
 
 
-def _ray():
+def _ray() -> ModuleType:
     """Ray, imported on first use: importing shmtensor.ray needs no Ray (as shmtensor.cuda
     needs no CuPy), using it does."""
     try:
@@ -75,7 +82,7 @@ def _register_cupy() -> None:
     _registered.add("cupy")
 
 
-def _cupy_imported(_module) -> None:
+def _cupy_imported(_module: ModuleType) -> None:
     """Registers the CuPy serializer right after ``import cupy`` (importing CuPy up front
     would cost every worker a second)."""
     with _lock:
@@ -94,7 +101,7 @@ def _setup_worker() -> None:
 KEEP_CHILDREN = "RAY_kill_child_processes_on_worker_exit"
 
 
-def runtime_env(env: dict | None = None) -> dict:
+def runtime_env(env: dict[str, Any] | None = None) -> dict[str, Any]:
     """``env`` (a Ray runtime_env) with shmtensor's setup hook added, and Ray's killing of
     a dead worker's child processes turned off unless ``env_vars`` sets
     ``RAY_kill_child_processes_on_worker_exit`` itself: a worker's janitor must outlive it
@@ -113,11 +120,11 @@ def runtime_env(env: dict | None = None) -> dict:
     return env
 
 
-def init(*args, **kwargs):
+def init(*args: Any, **kwargs: Any) -> BaseContext:
     """``ray.init`` with shmtensor's serializers registered in this process and, through
     the job's runtime_env, in every worker.  Returns what ``ray.init`` returns."""
     kwargs["runtime_env"] = runtime_env(kwargs.get("runtime_env"))
-    info = _ray().init(*args, **kwargs)
+    info: BaseContext = _ray().init(*args, **kwargs)
     register()
     return info
 
@@ -130,7 +137,8 @@ def exports_held() -> int:
 class _Init:
     """A Pool worker's initializer: registers, then runs the user's (picklable by value)."""
 
-    def __init__(self, initializer, initargs) -> None:
+    def __init__(self, initializer: Callable[..., object] | None,
+                 initargs: Iterable[Any] | None) -> None:
         self.initializer, self.initargs = initializer, tuple(initargs or ())
 
     def __call__(self) -> None:
@@ -139,13 +147,14 @@ class _Init:
             self.initializer(*self.initargs)
 
 
-_pool_class: list = []
+_pool_class: list[type[RayPool]] = []
 
 
-def _make_pool_class():
+def _make_pool_class() -> type[RayPool]:
     ray = _ray()
 
-    class Pool(ray.util.multiprocessing.Pool):
+    # Ray's Pool, reached through the module _ray() returns: to mypy an unknown name, Any
+    class Pool(ray.util.multiprocessing.Pool):  # type: ignore[name-defined,misc]
         """``multiprocessing.Pool``'s API on a Ray cluster (Ray's own pool of actors), with
         shmtensor arrays crossing by reference between workers on one host.
 
@@ -154,10 +163,11 @@ def _make_pool_class():
         ``ray_address`` and ``ray_remote_args`` are Ray's.  When Ray is not initialized it
         is, as Ray's pool does it, through :func:`init`."""
 
-        def __init__(self, processes: int | None = None, initializer=None, initargs=(),
-                     maxtasksperchild: int | None = None, context=None,
-                     ray_address: str | None = None,
-                     ray_remote_args: dict | None = None) -> None:
+        def __init__(self, processes: int | None = None,
+                     initializer: Callable[..., object] | None = None,
+                     initargs: Iterable[Any] | None = (), maxtasksperchild: int | None = None,
+                     context: Any = None, ray_address: str | None = None,
+                     ray_remote_args: dict[str, Any] | None = None) -> None:
             if processes is not None and processes <= 0:
                 raise ValueError("Number of processes must be at least 1")
             if not ray.is_initialized():
@@ -174,7 +184,7 @@ def _make_pool_class():
     return Pool
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type[RayPool]:
     if name == "Pool":  # a subclass of Ray's pool: made when first asked for
         if not _pool_class:
             _pool_class.append(_make_pool_class())

@@ -23,12 +23,18 @@ from __future__ import annotations
 import os
 import threading
 from functools import partial
-from typing import NamedTuple
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from shmtensor.cuda import _device, _release
 from shmtensor.ipc import cuda_ipc, ofd_lease, posix_shm
 
 from . import _agent, _exports, _host
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ._exports import Pin
 
 
 class CudaHandle(NamedTuple):
@@ -42,22 +48,24 @@ class CudaHandle(NamedTuple):
     bus_id: str
     size: int
     offset: int
-    shape: tuple
-    strides: tuple
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
     dtype: str
 
 
 _lock = threading.Lock()
-_opened: dict[bytes, list] = {}  # ipc handle -> [device pointer, live uses]
-_own: dict[tuple[str, int], object] = {}  # (table, slot) -> this process's exported memory
+_opened: dict[bytes, list[int]] = {}  # ipc handle -> [device pointer, live uses]
+# (table, slot) -> this process's exported memory: (CuPy memory, its base device pointer)
+_own: dict[tuple[str, int], tuple[Any, int]] = {}
 
 
-def _cupy():
+# CuPy has no type information: its module, arrays and memory are Any here
+def _cupy() -> Any:
     import cupy
     return cupy
 
 
-def serialize(arr):
+def serialize(arr: Any) -> tuple[str, CudaHandle, Pin] | tuple[str, tuple[Any, ...]]:
     """Ray's serializer for ``cupy.ndarray``."""
     import ray
     if ray.is_initialized() and arr.size:
@@ -73,7 +81,7 @@ def serialize(arr):
 
 
 
-def export(arr):
+def export(arr: Any) -> tuple[str, CudaHandle, Pin]:
     import ray
     cp = _cupy()
     mem = arr.data.mem
@@ -104,7 +112,8 @@ def export(arr):
     return ("s", h, pin)
 
 
-def _forward(ray, cp, arr, owner: "_Use"):
+def _forward(ray: ModuleType, cp: Any, arr: Any,
+             owner: "_Use") -> tuple[str, CudaHandle, Pin]:
     """Send on an array received from another process: CUDA refuses to export an imported
     handle, so the message names the exporter's handle and slot, and this process's new
     description of the exporter's lease (kept while Ray references the pin)."""
@@ -158,14 +167,14 @@ def _closed_one(handle: bytes, device: int, n: int) -> None:
         pass
 
 
-def _local_device(cp, bus_id: str) -> int:
+def _local_device(cp: Any, bus_id: str) -> int:
     try:
-        return cp.cuda.runtime.deviceGetByPCIBusId(bus_id)
+        return cast(int, cp.cuda.runtime.deviceGetByPCIBusId(bus_id))
     except Exception:
         raise _host.NotReachable(0, f"GPU {bus_id} is not visible here") from None
 
 
-def attach(h: CudaHandle):
+def attach(h: CudaHandle) -> Any:
     cp = _device.cupy()  # the fork error first; the releases below need it imported
     _release.poll()
     _release.ensure_releaser()
@@ -196,7 +205,7 @@ def attach(h: CudaHandle):
         return cp.ndarray(h.shape, h.dtype, cp.cuda.MemoryPointer(mem, h.offset), h.strides)
 
 
-def rebuild(h: CudaHandle):
+def rebuild(h: CudaHandle) -> Any:
     if h.host == _host.host_id():
         try:
             return attach(h)
@@ -205,8 +214,8 @@ def rebuild(h: CudaHandle):
     return _cupy().asarray(_agent.fetch(h.node_id, h))
 
 
-def read_for_agent(h: CudaHandle):
-    return attach(h).get()
+def read_for_agent(h: CudaHandle) -> np.ndarray:
+    return cast("np.ndarray", attach(h).get())  # CuPy's copy to the host
 
 
 def _forget_own(table_id: str, slot: int) -> None:

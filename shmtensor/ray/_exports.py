@@ -23,9 +23,16 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Hashable
 from functools import partial
+from typing import TYPE_CHECKING, Any, cast
 
 from shmtensor.ipc import ofd_lease
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+    Pin = ObjectRef[None]  # a ray.put(None): see the module docstring
 
 POLL_MIN = 0.02
 POLL_MAX = 0.5
@@ -44,12 +51,13 @@ class Export:
     __slots__ = ("fds", "keep", "slot", "done", "pin", "until", "watched", "ident")
 
     def __init__(self, fds: list[int], keep: object = None, slot: int | None = None,
-                 done=None) -> None:
+                 done: Callable[[], object] | None = None) -> None:
         self.fds, self.keep, self.slot, self.done = fds, keep, slot, done
-        self.pin = None  # our own reference to the pin during GRACE (see add)
+        self.pin: Pin | None = None  # our own reference to the pin during GRACE (see add)
         self.until = 0.0
         self.watched = False  # Ray calls us back when the pin goes (else: polled)
-        self.ident = None  # what it exports, when serializations of it share it (reuse)
+        # what it exports, when serializations of it share it (reuse)
+        self.ident: Hashable | None = None
 
     def finish(self) -> None:
         """Let go of the kept object (the memory returns to its allocator)."""
@@ -69,18 +77,19 @@ _wake = threading.Event()
 # Pins made ahead of need by a helper thread: ``ray.put`` costs ~1 ms (a round trip to the
 # object store), which would otherwise be paid in every serialization.
 PINS_AHEAD = 4
-_pins: list = []          # ready pins, all of one Ray session
-_pins_session: list = [None]
+_pins: list[Pin] = []          # ready pins, all of one Ray session
+_pins_session: list[object] = [None]
 _pin_wake = threading.Event()
 _pin_thread: threading.Thread | None = None
 
 
-def _session():
+def _session() -> object:
+    """This process's connection to Ray (its core worker), None when there is none."""
     from ray._private import worker
     return getattr(worker.global_worker, "core_worker", None)
 
 
-def new_pin():
+def new_pin() -> Pin:
     """A fresh ObjectRef owned by this process, to stand for one serialization."""
     global _pin_thread
     import ray
@@ -137,10 +146,10 @@ def _make_pins() -> None:
                     lock.release()
 
 
-_by_ident: dict[object, Export] = {}  # exports open to reuse (their pin still ours)
+_by_ident: dict[Hashable, Export] = {}  # exports open to reuse (their pin still ours)
 
 
-def reuse(ident) -> tuple:
+def reuse(ident: Hashable) -> tuple[Pin, Export] | tuple[None, None]:
     """``(pin, export)`` of a live export of ``ident`` whose pin this process still holds
     (within GRACE of its last use; the grace starts again), else ``(None, None)``."""
     with _lock:
@@ -151,7 +160,7 @@ def reuse(ident) -> tuple:
         return e.pin, e
 
 
-def add(pin, export: Export, ident=None) -> None:
+def add(pin: Pin, export: Export, ident: Hashable | None = None) -> None:
     """Keep ``export`` while Ray references ``pin`` (an ObjectRef this process owns);
     with ``ident``, later serializations of the same thing may share it (:func:`reuse`)."""
     global _thread
@@ -166,7 +175,9 @@ def add(pin, export: Export, ident=None) -> None:
             _thread = threading.Thread(target=_poll, daemon=True, name="shmtensor-ray-exports")
             _thread.start()
     from ray._private import worker
-    watch = getattr(worker.global_worker.core_worker, "add_object_out_of_scope_callback", None)
+    # core_worker: set on the worker as it connects, not declared on its class
+    watch = getattr(worker.global_worker.core_worker,  # type: ignore[attr-defined]
+                    "add_object_out_of_scope_callback", None)
     if watch is not None and USE_CALLBACK:  # told, not polled (our reference holds it now)
         export.watched = bool(watch(pin, partial(_out_of_scope, pin_key)))
 
@@ -188,9 +199,10 @@ def count() -> int:
 _BUSY: set[bytes] = set()  # a sentinel, compared by identity: ask again later
 
 
-def _ray_lock():
+def _ray_lock() -> threading.RLock | None:
+    """Ray's connect/shutdown lock, where this Ray has one."""
     from ray._private import worker
-    return getattr(worker, "_connect_or_shutdown_lock", None)
+    return cast("threading.RLock | None", getattr(worker, "_connect_or_shutdown_lock", None))
 
 
 def _judge() -> tuple[list[bytes], set[bytes] | None]:
@@ -206,8 +218,8 @@ def _judge() -> tuple[list[bytes], set[bytes] | None]:
         return [], _BUSY
     try:
         now = time.monotonic()
-        dropped = []
-        candidates = []
+        dropped: list[Pin] = []
+        candidates: list[bytes] = []
         with _lock:  # listed before Ray's table is read: a pin added meanwhile is not judged
             for key, e in _live.items():
                 if e.pin is None:
@@ -226,7 +238,8 @@ def _judge() -> tuple[list[bytes], set[bytes] | None]:
         if not candidates:
             return [], set()
         try:
-            return candidates, set(w.core_worker.get_all_reference_counts())
+            return candidates, set(
+                w.core_worker.get_all_reference_counts())  # type: ignore[attr-defined]  # see add
         except Exception:  # disconnected meanwhile
             return candidates, None
     finally:
@@ -268,8 +281,9 @@ def release_gone() -> int:
     if _draining:
         table = ofd_lease.own_table()
         with _lock:
-            still = [e for e in _draining if table.is_held(e.slot)]
-            done = [e for e in _draining if not table.is_held(e.slot)]
+            # a draining export has a slot (see _close)
+            still = [e for e in _draining if table.is_held(cast(int, e.slot))]
+            done = [e for e in _draining if not table.is_held(cast(int, e.slot))]
             _draining[:] = still
         for e in done:
             e.finish()
@@ -331,10 +345,10 @@ def wait_released(timeout: float) -> bool:
     return True
 
 
-def deserializer(rebuild):
+def deserializer(rebuild: Callable[[Any], object]) -> Callable[[tuple[Any, ...]], object]:
     """Ray's deserializer for a payload of :func:`by_value` or ``("s", handle, pin)``:
     ``rebuild(handle)`` for the second."""
-    def deserialize(payload):
+    def deserialize(payload: tuple[Any, ...]) -> object:
         if payload[0] == "p":
             red = payload[1]
             obj = red[0](*red[1])

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from shmtensor import _alloc, _segments
 from shmtensor.ipc import ofd_lease, posix_shm
 
 from . import _agent, _exports, _host
+
+if TYPE_CHECKING:
+    from ._exports import Pin
 
 FD, FS = _segments.FD, _segments.FS
 
@@ -46,9 +49,9 @@ class Handle(NamedTuple):
     table_id: str
     slot: int
     offset: int
-    shape: tuple
-    strides: tuple
-    dtype: np.dtype
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: np.dtype[Any]
     writeable: bool
 
 
@@ -68,18 +71,18 @@ def _drop_kept(key: str, fd: int) -> None:
         pass
 
 
-def _memfd_of(seg) -> int | None:
+def _memfd_of(seg: _segments.Segment) -> int | None:
     if seg.fd is not None:
         return seg.fd
     with _kept_lock:
         return _kept.get(seg.key)
 
 
-def _plain(a: np.ndarray):
-    return a.__reduce_ex__(5)
+def _plain(a: np.ndarray) -> tuple[Any, ...]:
+    return cast("tuple[Any, ...]", a.__reduce_ex__(5))  # a tuple
 
 
-def serialize(a: np.ndarray):
+def serialize(a: np.ndarray) -> tuple[str, Handle, Pin] | tuple[str, tuple[Any, ...]]:
     """Ray's serializer for ``np.ndarray``: ``("s", handle, pin)`` for a shared array this
     process can export, else ``("p", numpy's own reduction)``."""
     seg = _segments.segment_of(a) if a.base is not None else None
@@ -92,7 +95,7 @@ def serialize(a: np.ndarray):
 
 
 
-def export(a: np.ndarray, seg) -> tuple | None:
+def export(a: np.ndarray, seg: _segments.Segment) -> tuple[str, Handle, Pin] | None:
     """Hold ``seg`` for as long as Ray references the returned handle's pin; None when this
     process cannot hand ``seg`` on by reference (Ray not connected, no memfd kept).
 
@@ -105,7 +108,8 @@ def export(a: np.ndarray, seg) -> tuple | None:
     if seg.kind == FD and memfd is None:
         return None
     ident = (seg.table_id, seg.slot, seg.key)
-    pin, export = _exports.reuse(ident)
+    # (pin, export) or (None, None): export is made below when pin is None
+    pin, export = cast("tuple[Pin | None, _exports.Export]", _exports.reuse(ident))
     if pin is None:
         fds = [ofd_lease.inflight_fd(seg.table_id, [seg.slot])]
         try:
@@ -155,7 +159,7 @@ def attach(h: Handle) -> np.ndarray:
             weakref.finalize(anchor, _drop_kept, h.key, mapfd).atexit = False
         else:
             os.close(mapfd)
-    out = np.ndarray(h.shape, h.dtype, anchor, h.offset, h.strides)
+    out: np.ndarray = np.ndarray(h.shape, h.dtype, anchor, h.offset, h.strides)
     if not h.writeable:
         out.flags.writeable = False
     return out
@@ -182,7 +186,7 @@ def rebuild(h: Handle) -> np.ndarray:
     return out
 
 
-def read_for_agent(h: Handle):
+def read_for_agent(h: Handle) -> np.ndarray:
     """The handle's data, for the agent to send by value."""
     return np.ascontiguousarray(attach(h))
 
