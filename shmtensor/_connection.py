@@ -10,6 +10,8 @@ contract (CPython 3.10-3.13 ``multiprocessing/connection.py``).
 
 A send that fails for want of a resource (no fd left, no shared memory, the reader gone)
 raises :func:`send_error`'s description of it: the limit, its value and the fix.
+
+``recv_async``/``send_async`` are the same calls awaited in an event loop (:mod:`._aio`).
 """
 
 from __future__ import annotations
@@ -20,14 +22,38 @@ import os
 import resource
 import socket
 import traceback
+from collections.abc import Callable, Sequence
 from multiprocessing import connection as _mpc
 from multiprocessing import reduction
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from shmtensor.ipc import scm_rights
 
-from . import _reductions, _strategy
+from . import _aio, _reductions, _strategy
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from _typeshed import ReadableBuffer
+
+    class _StdConnection(_mpc.Connection):
+        """The stdlib Connection's private members this module uses (not in its stubs)."""
+
+        _handle: int | None
+
+        def _check_closed(self) -> None: ...
+
+        def _check_readable(self) -> None: ...
+
+        def _check_writable(self) -> None: ...
+
+        def _poll(self, timeout: float | None) -> bool: ...
+else:
+    _StdConnection = _mpc.Connection
 
 __all__ = ["Connection", "Pipe", "send_error"]
+
+_T = TypeVar("_T")
 
 
 def _open_fds(limit: int) -> str:
@@ -89,46 +115,57 @@ def send_error(e: BaseException, what: str,
     return err
 
 
-class Connection(_mpc.Connection):
+class Connection(_StdConnection):
     """A multiprocessing Connection on a Unix socket whose messages carry fds."""
 
     # Plain arrays received here become private copies (see _reductions._rebuild_array):
     # set on a manager server's end, which keeps values as the stdlib's does.
     _private = False
+    # The awaiters of recv_async and the frames of send_async, per event loop (_aio).
+    _lines: dict[asyncio.AbstractEventLoop, _aio._Line] | None = None
+    _senders: dict[asyncio.AbstractEventLoop, _aio._Sender] | None = None
+    # _sock and _frames are None once closed (_frames also on an end that does not read):
+    # every use is behind the stdlib's _check_closed/_check_readable, or checks for None.
+    _sock: socket.socket
+    _frames: scm_rights.FrameReader
 
     def __init__(self, handle: int, readable: bool = True, writable: bool = True) -> None:
         super().__init__(handle, readable, writable)
         self._sock = socket.socket(fileno=handle)
         self._sock.settimeout(None)  # not socket.setdefaulttimeout()'s: the stdlib's ignores it
         # what this process has read of a frame not yet delivered (see set_receive_spin)
-        self._frames = scm_rights.FrameReader(_strategy.receive_wait()) if readable else None
+        # None on an end that does not read: see the class's note
+        self._frames = scm_rights.FrameReader(_strategy.receive_wait()) if readable else None  # type: ignore[assignment]
 
     @property
     def _wait(self) -> scm_rights.SpinWait | None:
         """How this end's reader waits (see set_receive_spin); None: it sleeps at once."""
         return self._frames.wait if self._frames is not None else None
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[Any, bool, bool], Connection], tuple[Any, bool, bool]]:
         return _rebuild_connection, (reduction.DupFd(self.fileno()), self.readable, self.writable)
 
-    def _close(self, _close=os.close):
-        frames, self._frames = self._frames, None
+    def _close(self, _close: Callable[[int], None] = os.close) -> None:
+        if self._lines or self._senders:
+            _aio.closing(self)  # awaiters watching this socket: woken, they find it closed
+        # None once closed: see the class's note (both)
+        frames, self._frames = self._frames, None  # type: ignore[assignment]
         if frames is not None:
             frames.discard()  # a frame read and never delivered: its fds
-        sock, self._sock = self._sock, None
+        sock, self._sock = self._sock, None  # type: ignore[assignment]
         if sock is not None:
             sock.detach()
         handle, self._handle = self._handle, None  # closed even when reached through __del__
-        _close(handle)
+        _close(handle)  # type: ignore[arg-type]  # the stdlib calls _close only while open
 
     # The stdlib's send_bytes/recv_bytes/recv_bytes_into call these two.
-    def _send_bytes(self, buf) -> None:
+    def _send_bytes(self, buf: ReadableBuffer) -> None:
         try:
             scm_rights.send_frame(self._sock, buf)
         except OSError as e:
             raise send_error(e, "send_bytes() failed")
 
-    def _recv_bytes(self, maxsize=None):
+    def _recv_bytes(self, maxsize: int | None = None) -> io.BytesIO | None:
         """One message as the stdlib's ``_recv_bytes`` gives it: a BytesIO positioned at its
         end (``recv_bytes_into`` reads the size from ``tell()``), or None when its header
         says more than ``maxsize`` (``recv_bytes`` then says "bad message length" and stops
@@ -141,24 +178,24 @@ class Connection(_mpc.Connection):
         out.seek(0, io.SEEK_END)
         return out
 
-    def _poll(self, timeout):
+    def _poll(self, timeout: float | None) -> bool:
         frames = self._frames
         if frames is not None and frames.ready is not None:
             return True  # read by a receive an exception cut short: delivered next
         return super()._poll(timeout)
 
-    def send_frame(self, data, fds) -> None:
+    def send_frame(self, data: ReadableBuffer, fds: Sequence[int]) -> None:
         self._check_closed()
         self._check_writable()
         scm_rights.send_frame(self._sock, data, fds)
 
-    def try_send_frame(self, data, fds) -> bool:
+    def try_send_frame(self, data: ReadableBuffer, fds: Sequence[int]) -> bool:
         """Send now if the socket has room; False (nothing sent) if it has not."""
         self._check_closed()
         self._check_writable()
         return scm_rights.try_send_frame(self._sock, data, fds)
 
-    def read_frame(self, deadline: float | None = None):
+    def read_frame(self, deadline: float | None = None) -> scm_rights.Frame | None:
         """Read a whole frame off the socket (see ``scm_rights.FrameReader``): the frame,
         which :meth:`take` hands over, or None when ``deadline`` (``time.monotonic()``)
         passed first."""
@@ -167,17 +204,19 @@ class Connection(_mpc.Connection):
         frames = self._frames
         return frames.ready if frames.read(self._sock, deadline) else None
 
-    def take(self, load, *extra):
+    def take(self, load: Callable[..., _T], *extra: object) -> _T:
         """``load(data, fds, *extra)`` of the frame :meth:`read_frame` read: its result."""
-        return self._frames.take(load, *extra)
+        result: _T = self._frames.take(load, *extra)
+        return result
 
     def recv_frame(self) -> tuple[bytes, list[int]]:
         """The next frame as it came: ``(payload, fds)``; the caller owns (and must close)
         the fds."""
         self.read_frame()
-        return self._frames.take(_as_received)
+        frame: tuple[bytes, list[int]] = self._frames.take(_as_received)
+        return frame
 
-    def send(self, obj) -> None:
+    def send(self, obj: object) -> None:
         """Send a picklable object; arrays in it cross through shared memory."""
         self._check_closed()
         self._check_writable()
@@ -188,27 +227,57 @@ class Connection(_mpc.Connection):
         try:
             scm_rights.send_frame(self._sock, data, ctx.wire_fds())
         except OSError as e:
-            data = None  # see send_error
+            data = None  # type: ignore[assignment]  # see send_error
             raise send_error(e, "send() failed")
         finally:
             ctx.release()
 
-    def recv(self):
+    def recv(self) -> Any:
         """Receive an object sent with :meth:`send`."""
         self.read_frame()
         return self._frames.take(_reductions.loads, self._private)
 
+    async def send_async(self, obj: object) -> None:
+        """:meth:`send`, awaited: waits for room in the socket in the running event loop
+        instead of blocking it (no thread).  Sends from one loop keep their order.  A call
+        cancelled before its frame began sends nothing; one cancelled after it began is
+        finished in the background (the socket is never left mid-frame), so its message
+        is delivered.  Await it before a :meth:`send` on the same end."""
+        self._check_closed()
+        self._check_writable()
+        try:
+            data, ctx = _reductions.dumps(obj)
+        except OSError as e:  # no fd or memory for a segment
+            raise send_error(e, "send() failed")
+        await _aio.send(self, data, ctx, None, "send() failed")
 
-def _as_received(data, fds):
+    async def recv_async(self) -> Any:
+        """:meth:`recv`, awaited: waits for the socket to be readable in the running event
+        loop instead of blocking it (no thread).  Concurrent awaiters of one loop get one
+        message each, in the order they came.  Cancelling it loses no message: a frame it
+        read in part stays for the next receive of this process (``recv`` or
+        ``recv_async``).  Bound it with ``asyncio.wait_for``/``asyncio.timeout``."""
+        self._check_closed()
+        self._check_readable()
+        await _aio.read_frame(self, None)
+        return self._frames.take(_reductions.loads, self._private)
+
+    def _writer_socket(self) -> socket.socket:
+        """The socket, for a sender about to write (``OSError`` once closed)."""
+        self._check_closed()
+        return self._sock
+
+
+def _as_received(data: bytes, fds: list[int]) -> tuple[bytes, list[int]]:
     return data, fds
 
 
-def _payload_only(data, fds):
+def _payload_only(data: bytes, fds: list[int]) -> bytes:
     scm_rights.close_fds(fds)
     return data
 
 
-def _rebuild_connection(df, readable: bool, writable: bool) -> Connection:
+def _rebuild_connection(df: Any, readable: bool, writable: bool) -> Connection:
     return Connection(df.detach(), readable, writable)
 
 

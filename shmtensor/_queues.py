@@ -19,6 +19,8 @@ overrides, and why:
   (``scm_rights.FrameReader``): a message is delivered by the call that read it, or stays
   for the next ``get`` of this process, or (an exception while it is unpickled) is
   discarded with its fds closed; ``timeout`` covers the whole frame.
+* ``get_async``/``put_async`` (not in the stdlib): the same calls awaited in an event
+  loop, on the socket's readiness (:mod:`._aio`).
 
 Errors are reported as the stdlib reports them, and resource errors are never lost:
 
@@ -33,24 +35,72 @@ Errors are reported as the stdlib reports them, and resource errors are never lo
 
 from __future__ import annotations
 
+import collections
 import errno
 import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from itertools import starmap
 from multiprocessing import queues as _mpq
 from multiprocessing.util import Finalize, debug, info, is_exiting
 from queue import Empty, Full
+from typing import TYPE_CHECKING, Any, Protocol, final
 
 from shmtensor.ipc import scm_rights
 
-from . import _reductions
-from ._connection import Pipe, send_error
+from . import _aio, _reductions
+from ._connection import Connection, Pipe, send_error
+from ._wire import SendContext
 
-_sentinel = _mpq._sentinel  # what the stdlib's finalizer appends to stop the feeder
+if TYPE_CHECKING:
+    from multiprocessing.synchronize import BoundedSemaphore, Condition, Lock, Semaphore
+
+    class _QueueBase(_mpq.Queue[Any]):
+        """The stdlib Queue's private members this module uses (not in its stubs)."""
+
+        _reader: Connection
+        _writer: Connection
+        _rlock: Lock
+        _wlock: Lock | None
+        _sem: BoundedSemaphore
+        _notempty: threading.Condition
+        _buffer: collections.deque[Any]
+        _thread: threading.Thread | None
+        _jointhread: Finalize | None
+        _close: Finalize | None
+        _closed: bool
+        _joincancelled: bool
+        _ignore_epipe: bool
+        _unfinished_tasks: Semaphore  # JoinableQueue's
+        _cond: Condition              # JoinableQueue's
+
+        def _reset(self, after_fork: bool = False) -> None: ...
+
+        @staticmethod
+        def _on_queue_feeder_error(e: BaseException, obj: object) -> None: ...
+
+    class _SimpleQueueBase(_mpq.SimpleQueue[Any]):
+        """The stdlib SimpleQueue's private members this module uses."""
+
+        _reader: Connection
+        _writer: Connection
+        _rlock: Lock
+        _wlock: Lock | None
+        _poll: Callable[[float | None], bool]
+    _StdQueue = _mpq.Queue[Any]
+    _StdJoinableQueue = _mpq.JoinableQueue[Any]
+else:  # the stdlib's classes are generic for typing only (subscripted from 3.12 at run time)
+    _QueueBase = object
+    _SimpleQueueBase = _mpq.SimpleQueue
+    _StdQueue = _mpq.Queue
+    _StdJoinableQueue = _mpq.JoinableQueue
+
+_sentinel: object = _mpq._sentinel  # type: ignore[attr-defined]  # private: the stdlib's finalizer appends it to stop the feeder
 
 
+@final
 class Frame:
     """A message pickled by ``put``, waiting for the feeder thread; ``obj`` is what
     ``_on_queue_feeder_error`` gets if it cannot be sent: the object if the queue keeps
@@ -58,22 +108,24 @@ class Frame:
 
     __slots__ = ("data", "ctx", "obj")
 
-    def __init__(self, data, ctx: _reductions.SendContext, obj) -> None:
+    def __init__(self, data: bytes, ctx: SendContext, obj: object) -> None:
         self.data, self.ctx, self.obj = data, ctx, obj
 
 
+@final
 class _Unpicklable:
     """An object ``put`` could not pickle: the feeder reports it in its turn, as the
     stdlib's feeder does when its own pickling fails."""
 
     __slots__ = ("error", "obj")
 
-    def __init__(self, error: Exception, obj) -> None:
+    def __init__(self, error: Exception, obj: object) -> None:
         self.error, self.obj = error, obj
 
 
 def _with_outcome(err: BaseException, outcome: str) -> BaseException:
     """A recorded send failure, raised again by a later call that says what it did."""
+    new: BaseException
     if isinstance(err, OSError) and err.errno is not None:
         new = OSError(err.errno, f"{err.strerror}; {outcome}")
     else:
@@ -82,7 +134,15 @@ def _with_outcome(err: BaseException, outcome: str) -> BaseException:
     return new
 
 
-class _ShmQueue:
+class _Joinable(Protocol):
+    """A JoinableQueue's ``_cond`` (what ``put`` counts under)."""
+
+    def __enter__(self) -> bool: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class _ShmQueue(_QueueBase):
     # Give _on_queue_feeder_error the object itself (not its pickled bytes) when a send
     # fails: a subclass that must know which object failed sets it (it keeps each queued
     # object alive until sent, as the stdlib's buffer does).
@@ -91,7 +151,7 @@ class _ShmQueue:
     # raise; a subclass whose hook delivers every failure itself turns it off.
     _raise_later = True
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._reader.close()
         self._writer.close()
@@ -101,9 +161,10 @@ class _ShmQueue:
     def _reset(self, after_fork: bool = False) -> None:
         super()._reset(after_fork)
         self._unsent = [0]     # frames given to the feeder and not yet sent (under _notempty)
-        self._failures = []    # send failures the feeder met, not yet raised (under _notempty)
+        # send failures the feeder met, not yet raised (under _notempty)
+        self._failures: list[BaseException] = []
 
-    def _send_now(self, data, ctx: _reductions.SendContext) -> bool:
+    def _send_now(self, data: bytes, ctx: SendContext) -> bool:
         """Send a message in this thread if that keeps the queue's order and the socket
         takes it whole at once (the caller holds ``_notempty``).  False leaves it to the
         feeder thread; a failure raises (the socket is untouched)."""
@@ -137,11 +198,14 @@ class _ShmQueue:
             outcome = f"{len(failures)} messages were dropped this way; {outcome}"
         raise _with_outcome(failures[0], outcome)
 
-    def put(self, obj, block: bool = True, timeout: float | None = None) -> None:
+    def put(self, obj: object, block: bool = True, timeout: float | None = None) -> None:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         if self._failures:
             self._raise_failures("this put() did not queue its object; the queue is usable")
+        data: bytes | None
+        ctx: SendContext | None
+        item: Frame | _Unpicklable
         try:
             data, ctx = _reductions.dumps(obj)
         except OSError as e:  # no fd or shared memory for a segment
@@ -168,7 +232,7 @@ class _ShmQueue:
                         ctx.release()
                     self._undo_put(joinable)
                     raise
-            if data is not None:
+            if data is not None and ctx is not None:  # (both or neither)
                 try:
                     if self._send_now(data, ctx):
                         return
@@ -182,14 +246,14 @@ class _ShmQueue:
             self._buffer.append(item)
             self._notempty.notify()
 
-    def get(self, block: bool = True, timeout: float | None = None):
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
         """The stdlib's, receiving a frame with its fds."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         reader = self._reader
         if block and timeout is None:
             frame = _read_locked(reader, self._rlock, (), None)
-        elif block:
+        elif block and timeout is not None:
             deadline = time.monotonic() + timeout  # the whole frame within the timeout
             frame = _read_locked(reader, self._rlock, (True, timeout), deadline)
         else:
@@ -199,7 +263,46 @@ class _ShmQueue:
         _count(frame, self._sem)
         return reader.take(_reductions.loads)
 
-    def _undo_put(self, joinable) -> None:
+    async def get_async(self, block: bool = True, timeout: float | None = None) -> Any:
+        """:meth:`get`, awaited: waits for the socket to be readable in the running event
+        loop instead of blocking it (no thread); ``queue.Empty`` as ``get`` raises it.
+        Concurrent awaiters of one loop get one message each, in the order they came.
+        Cancelling it loses no message: a frame it read in part stays for the next
+        ``get``/``get_async`` of this process.  The read lock held by another process or
+        thread is tried again on a timer (1 to 50 ms): a lock has no fd to wait on."""
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        reader = self._reader
+        frame = await _aio.read_frame(reader, self._rlock, block, timeout)
+        if frame is None:
+            raise Empty
+        _count(frame, self._sem)
+        return reader.take(_reductions.loads)
+
+    async def put_async(self, obj: object, block: bool = True,
+                        timeout: float | None = None) -> None:
+        """:meth:`put`, awaited: ``put`` never waits for the reader (its feeder thread
+        sends), only for room in a queue made with ``maxsize``; this waits for that room
+        in the running event loop, tried again on a timer (1 to 50 ms: a semaphore has no
+        fd to wait on), then puts; ``queue.Full`` as ``put`` raises it.  A producer of
+        another process that takes the room first makes it wait again (having pickled
+        the object once more)."""
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        loop_time = _aio.loop_time()
+        deadline = None if timeout is None else loop_time + timeout
+        while True:
+            left = None if deadline is None else deadline - _aio.loop_time()
+            if not await _aio.acquire(self._sem, block, left):
+                raise Full
+            self._sem.release()  # room now: put takes it (unless another producer does)
+            try:
+                return self.put(obj, False)
+            except Full:
+                if not block:
+                    raise
+
+    def _undo_put(self, joinable: _Joinable | None) -> None:
         """Give back what a put that raised had taken."""
         if joinable is not None:
             with joinable:
@@ -236,14 +339,18 @@ class _ShmQueue:
             self._thread = None
             raise
         if not self._joincancelled:
-            self._jointhread = Finalize(self._thread, _mpq.Queue._finalize_join,
+            # (the stdlib's private finalizers are not in its stubs)
+            self._jointhread = Finalize(self._thread, _mpq.Queue._finalize_join,  # type: ignore[attr-defined]
                                         [weakref.ref(self._thread)], exitpriority=-5)
-        self._close = Finalize(self, _mpq.Queue._finalize_close,
+        self._close = Finalize(self, _mpq.Queue._finalize_close,  # type: ignore[attr-defined]
                                [self._buffer, self._notempty], exitpriority=10)
 
     @staticmethod
-    def _feed(buffer, notempty, writer, writelock, reader_close, writer_close, ignore_epipe,
-              onerror, queue_sem, unsent, failures) -> None:
+    def _feed(buffer: collections.deque[Any], notempty: threading.Condition, writer: Connection,
+              writelock: Lock | None, reader_close: Callable[[], None],
+              writer_close: Callable[[], None], ignore_epipe: bool,
+              onerror: Callable[[BaseException, object], None], queue_sem: BoundedSemaphore,
+              unsent: list[int], failures: list[BaseException] | None) -> None:
         """The stdlib's ``Queue._feed``, sending the frames ``put`` made.  On an error it
         does what the stdlib's does (EPIPE ignored when asked, nothing reported while the
         process exits, else the semaphore given back and ``onerror(e, obj)`` called), and
@@ -274,21 +381,23 @@ class _ShmQueue:
                 pass
 
 
-def _count(frame: scm_rights.Frame, sem) -> None:
+def _count(frame: scm_rights.Frame, sem: BoundedSemaphore) -> None:
     """Give the queue's semaphore back once for each frame taken off the socket (a frame
     an exception left for the next get is counted once)."""
     if not frame.counted:
         frame.counted = True; sem.release()  # noqa: E702 (one line: never twice, never lost)
 
 
-def _read_locked(reader, rlock, acquire: tuple, deadline: float | None):
+def _read_locked(reader: Connection, rlock: Lock,
+                 acquire: tuple[()] | tuple[bool] | tuple[bool, float],
+                 deadline: float | None) -> scm_rights.Frame | None:
     """``reader.read_frame(deadline)`` under the queue's read lock, taken with ``acquire``
     (its arguments): the frame, or None (the lock or the frame not had in time).  What
     the lock's acquire returned is recorded with no point between where a signal handler
     runs (see ``scm_rights._FIRST``), and its release is the first call of its line, so an
     exception never leaves the lock held (the stdlib Lock's ``__exit__`` is Python code,
     where a handler can run: ``with`` is not used)."""
-    held: list = []
+    held: list[bool] = []
     try:
         held.extend(starmap(rlock.acquire, (acquire,)))
         return reader.read_frame(deadline) if held[0] else None
@@ -296,7 +405,7 @@ def _read_locked(reader, rlock, acquire: tuple, deadline: float | None):
         if held and held[0]: rlock.release()  # noqa: E701 (one line: see above)
 
 
-def _send_item(item, writer, writelock) -> None:
+def _send_item(item: Frame | _Unpicklable, writer: Connection, writelock: Lock | None) -> None:
     """Send a frame (and let go of its buffer, sent or not: see ``send_error``)."""
     if type(item) is _Unpicklable:
         raise item.error  # reported as the stdlib's feeder reports its pickling errors
@@ -312,11 +421,12 @@ def _send_item(item, writer, writelock) -> None:
         raise
     finally:
         item.ctx.release()
-        item.data = None
+        item.data = None  # type: ignore[assignment]  # let go once sent: nothing reads it after
 
 
-def _feed_failed(e: Exception, item, ignore_epipe: bool, onerror, queue_sem, notempty,
-                 failures: list | None) -> bool:
+def _feed_failed(e: BaseException, item: Frame | _Unpicklable, ignore_epipe: bool,
+                 onerror: Callable[[BaseException, object], None], queue_sem: BoundedSemaphore,
+                 notempty: threading.Condition, failures: list[BaseException] | None) -> bool:
     """The feeder's error handling (inside its ``except``); False stops the feeder."""
     if ignore_epipe and getattr(e, "errno", 0) == errno.EPIPE:
         return False
@@ -341,31 +451,53 @@ def _feed_failed(e: Exception, item, ignore_epipe: bool, onerror, queue_sem, not
     return True
 
 
-class Queue(_ShmQueue, _mpq.Queue):
+class Queue(_ShmQueue, _StdQueue):
     """``multiprocessing.Queue`` that moves arrays through shared memory."""
 
 
-class JoinableQueue(_ShmQueue, _mpq.JoinableQueue):
+class JoinableQueue(_ShmQueue, _StdJoinableQueue):
     """``multiprocessing.JoinableQueue`` that moves arrays through shared memory."""
 
 
-class SimpleQueue(_mpq.SimpleQueue):
+class SimpleQueue(_SimpleQueueBase):
     """``multiprocessing.SimpleQueue`` that moves arrays through shared memory.  As the
     stdlib's, ``put`` pickles and sends in the caller's thread, so every error raises
     there."""
 
-    def __init__(self, *, ctx) -> None:
+    def __init__(self, *, ctx: Any) -> None:
         super().__init__(ctx=ctx)
         self._reader.close()
         self._writer.close()
         self._reader, self._writer = Pipe(duplex=False)
         self._poll = self._reader.poll
 
-    def get(self):
+    def get(self) -> Any:
         _read_locked(self._reader, self._rlock, (), None)
         return self._reader.take(_reductions.loads)
 
-    def put(self, obj) -> None:
+    async def get_async(self) -> Any:
+        """:meth:`get`, awaited: waits for the socket to be readable in the running event
+        loop instead of blocking it (no thread); see :meth:`Queue.get_async`."""
+        await _aio.read_frame(self._reader, self._rlock)
+        return self._reader.take(_reductions.loads)
+
+    async def put_async(self, obj: object) -> None:
+        """:meth:`put`, awaited: pickles in the caller's step, then sends without blocking
+        the loop.  A frame the socket takes whole is sent at once; a larger one (or one
+        that finds the socket full) goes out piece by piece on writer readiness, under the
+        queue's write lock, which it holds until the frame is whole (taken without
+        blocking, tried again on a timer while another writer holds it).  A call
+        cancelled before its frame began sends nothing; one cancelled after it began is
+        finished in the background (never half a frame), so its object is delivered.
+        Sends from one loop keep their order.  Await it before a :meth:`put` in the
+        same thread: that ``put`` would wait for the write lock this loop holds."""
+        try:
+            data, ctx = _reductions.dumps(obj)
+        except OSError as e:  # no fd or shared memory for a segment
+            raise send_error(e, "put() failed")
+        await _aio.send(self._writer, data, ctx, self._wlock, "put() failed")
+
+    def put(self, obj: object) -> None:
         try:
             data, ctx = _reductions.dumps(obj)
         except OSError as e:  # no fd or shared memory for a segment
@@ -377,7 +509,7 @@ class SimpleQueue(_mpq.SimpleQueue):
                 with self._wlock:
                     self._writer.send_frame(data, ctx.wire_fds())
         except OSError as e:
-            data = None  # see send_error
+            data = None  # type: ignore[assignment]  # see send_error
             raise send_error(e, "put() failed")
         finally:
             ctx.release()
