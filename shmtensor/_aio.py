@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from ._connection import Connection
     from ._wire import SendContext
 
-__all__ = ["read_frame", "acquire", "send", "closing"]
+__all__ = ["read_frame", "acquire", "send", "closing", "loop_time"]
 
 _T = TypeVar("_T")
 _NOW = ((False,),)          # lock.acquire's arguments: do not block (see _take)

@@ -212,7 +212,7 @@ class Connection(_StdConnection):
         """The next frame as it came: ``(payload, fds)``; the caller owns (and must close)
         the fds."""
         self.read_frame()
-        return self._frames.take(_as_received)  # type: ignore[no-any-return]  # untyped take
+        return self._frames.take(_as_received)
 
     def send(self, obj: object) -> None:
         """Send a picklable object; arrays in it cross through shared memory."""

@@ -289,8 +289,7 @@ class _ShmQueue(_QueueBase):
         the object once more)."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        loop_time = _aio.loop_time()
-        deadline = None if timeout is None else loop_time + timeout
+        deadline = None if timeout is None else _aio.loop_time() + timeout
         while True:
             left = None if deadline is None else deadline - _aio.loop_time()
             if not await _aio.acquire(self._sem, block, left):
