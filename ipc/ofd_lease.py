@@ -61,15 +61,19 @@ _paths: dict[int, str] = {}
 _REOPEN = os.O_RDWR | os.O_CLOEXEC
 
 
-def _reopen(fd: int) -> int:
+def _reopen_into(out: list, k: int, fd: int) -> None:
+    """``out[k]`` = a new description of ``fd``'s file.  The description is stored by the
+    statement that opens it (a slice assigned from a ``map``: C from the open to the
+    store), so an exception a signal handler raises never finds it opened and unowned."""
     path = _paths.get(fd)
     if path is None:
         path = _paths[fd] = f"/proc/self/fd/{fd}"
     try:
-        return os.open(path, _REOPEN)
+        out[k:k + 1] = map(os.open, (path,), (_REOPEN,))
     except OSError as e:
         try:
-            return retry_after_shedding(e, os.open, path, _REOPEN)
+            retry_after_shedding(e, out.__setitem__, slice(k, k + 1),
+                                 map(os.open, (path,), (_REOPEN,)))
         except OSError as again:
             raise fd_limit_error(again, "a lease description") from None
 
@@ -188,7 +192,8 @@ class _Holding:
                     raise KeyError(f"no description of lease table {self.table_id} in this "
                                    "process")
                 source = own.fds[k]
-            fd = self.fds[k] = _reopen(source)
+            _reopen_into(self.fds, k, source)
+            fd = self.fds[k]
         return fd
 
 
@@ -502,7 +507,9 @@ def inflight_fd(table_id: str, slots) -> int:
 
 
 def _locked_copy(source: int, slots) -> int:
-    fd = _reopen(source)
+    made = [-1]
+    _reopen_into(made, 0, source)
+    fd = made[0]
     try:
         for slot in slots:
             _setlk(fd, fcntl.F_RDLCK, slot)

@@ -30,7 +30,7 @@ from . import shm_space
 __all__ = [
     "PREFIX", "SHM_DIR", "HAVE_MEMFD", "ShmSpaceError", "process_tag", "segment_name", "segment_key",
     "parse_name", "check_name", "create_memfd", "create_named", "open_named", "open_regular",
-    "check_extent", "unlink_named", "map_fd", "Mapping", "fd_limit_error", "space_error",
+    "check_extent", "unlink_named", "map_into", "Mapping", "fd_limit_error", "space_error",
 ]
 
 PREFIX = "shmtensor"
@@ -251,37 +251,50 @@ class Mapping:
 
     CPython's ``mmap.mmap`` keeps a duplicate of the fd for each mapping (before 3.13's
     ``trackfd=False``), which would cost one fd per received array; this maps through libc
-    instead and exposes the memory as a ctypes buffer.  ``close`` unmaps: call it only once
-    nothing refers to ``buffer`` (shmtensor's anchors guarantee that).
+    instead and exposes the memory as a ctypes buffer.  Made by :func:`map_into`.
+    ``close`` unmaps: call it only once nothing refers to ``buffer`` (shmtensor's anchors
+    guarantee that).
     """
 
     __slots__ = ("address", "size", "buffer")
 
-    def __init__(self, fd: int, size: int, populate: bool = False, offset: int = 0) -> None:
-        flags = mmap.MAP_SHARED
-        if populate and size >= _POPULATE_FROM:
-            flags |= _MAP_POPULATE
-        length = max(size, 1)
-        addr = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
-        if addr in (None, _MAP_FAILED):
-            err = ctypes.get_errno()
-            raise OSError(err, f"cannot map a {_mb(length)} segment: {os.strerror(err)}"
-                          + (" (vm.max_map_count reached? fewer live arrays, or raise it)"
-                             if err == errno.ENOMEM else ""))
-        self.address = addr
-        self.size = length
-        self.buffer = (ctypes.c_char * length).from_address(addr)
+    address: int | None
+    size: int
+    buffer: ctypes.Array[ctypes.c_char] | None
 
     def close(self) -> None:
-        if self.buffer is not None:
-            self.buffer = None
-            _libc.munmap(self.address, self.size)
+        """Unmap (once: a second call, or one on a mapping whose ``mmap`` failed or never
+        ran, does nothing)."""
+        address = self.address
+        if address:
+            self.address = self.buffer = None
+            _libc.munmap(address, self.size)
 
 
-def map_fd(fd: int, size: int, populate: bool = False, offset: int = 0) -> Mapping:
+def map_into(out: list[Mapping], fd: int, size: int, populate: bool = False,
+             offset: int = 0) -> Mapping:
     """Map ``size`` bytes of ``fd`` from ``offset`` (a page multiple) shared and writable
-    (at least one byte: mmap needs it)."""
-    return Mapping(fd, size, populate, offset)
+    (at least one byte: mmap needs it), appending the mapping to ``out`` before it maps:
+    the address is stored by the step that maps (libc's ``mmap`` called and its result set
+    on the mapping from C, with no point between where a signal handler runs), so an
+    exception raised anywhere finds the mapping in ``out``, for its owner to close."""
+    m = Mapping.__new__(Mapping)
+    m.address, m.size, m.buffer = None, max(size, 1), None
+    out.append(m)
+    flags = mmap.MAP_SHARED
+    if populate and size >= _POPULATE_FROM:
+        flags |= _MAP_POPULATE
+    any(map(setattr, (m,), ("address",), map(
+        _libc.mmap, (None,), (m.size,), (mmap.PROT_READ | mmap.PROT_WRITE,), (flags,),
+        (fd,), (offset,))))
+    if m.address in (None, _MAP_FAILED):
+        m.address = None
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot map a {_mb(m.size)} segment: {os.strerror(err)}"
+                      + (" (vm.max_map_count reached? fewer live arrays, or raise it)"
+                         if err == errno.ENOMEM else ""))
+    m.buffer = (ctypes.c_char * m.size).from_address(m.address)
+    return m
 
 
 if sys.platform != "linux":  # pragma: no cover - documented platform limits

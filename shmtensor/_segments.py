@@ -254,8 +254,9 @@ def _idle_budget() -> int:
 def _cache_put(seg: Segment) -> None:
     global _cache_bytes
     if _cache.get(seg.key) is not seg:
-        _cache_bytes += seg.size
-    _cache[seg.key] = seg
+        # one line of stores, no call: cached and counted together, whatever a signal
+        # handler raises
+        _cache[seg.key] = seg; _cache_bytes += seg.size  # noqa: E702
     _cache.move_to_end(seg.key)
 
 
@@ -759,8 +760,8 @@ def _attached(key: str, kind: str, size: int, table_id: str, slot: int,
             seg.fd = None
         else:  # a named segment's fd is not kept: the mapping stays
             seg.fd = None; os.close(mapfd)  # noqa: E702
+        _cache_put(seg)  # idle until anchored; published after (see the except below)
         _by_key[key] = seg
-        _cache_put(seg)
         _stats.bump("segments_attached")
         _stats.bump("bytes_attached", size)
     except BaseException:
@@ -768,6 +769,7 @@ def _attached(key: str, kind: str, size: int, table_id: str, slot: int,
             if kind == FS:
                 os.close(mapfd)
         elif _by_key.get(key) is not seg:  # never published: unmapped (closing a kept fd)
+            _cache_drop(seg)
             if kind == FD and not took:
                 seg.fd = None
             seg.close()
@@ -789,9 +791,9 @@ def new_segment(key, kind, size, table_id, slot, own, fd, populate=False) -> Seg
     seg.mm = None
     mapped: list = []
     try:
-        # the mapping recorded as it is returned (starmap and extend are C), so an
-        # exception (a signal handler's) anywhere after it unmaps it below
-        mapped.extend(starmap(posix_shm.map_fd, ((fd, size, populate, file_of(key)[1]),)))
+        # the mapping is in ``mapped`` before it maps, so an exception (a signal
+        # handler's) anywhere after that unmaps it below
+        posix_shm.map_into(mapped, fd, size, populate, file_of(key)[1])
         seg.mm = mapped[0]
         seg.address = seg.mm.address
         _by_buffer[id(seg.mm.buffer)] = seg
@@ -799,6 +801,8 @@ def new_segment(key, kind, size, table_id, slot, own, fd, populate=False) -> Seg
     except BaseException:
         seg.fd = None  # the caller's still
         seg.close()
+        for m in mapped:  # not yet the segment's (closed already if it was)
+            m.close()
         raise
     if _sweeper is None:  # settles what dies while anything is mapped (see _sweep)
         _ensure_sweeper()

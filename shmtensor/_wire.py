@@ -124,7 +124,10 @@ class RecvContext:
             except Exception as e:  # e.g. no locks left: the load fails, nothing leaks
                 error = error or e
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:
+                error = None  # no cycle through this frame: the loaded objects die now
 
 
 def send_context() -> SendContext:

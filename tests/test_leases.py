@@ -73,8 +73,9 @@ def test_an_own_hold_travels_with_every_message_without_a_new_description(monkey
     seg = _segments.segment_of(a)
     table = ofd_lease.own_table()
     made = []
-    real = ofd_lease._reopen
-    monkeypatch.setattr(ofd_lease, "_reopen", lambda fd: made.append(fd) or real(fd))
+    real = ofd_lease._reopen_into
+    monkeypatch.setattr(ofd_lease, "_reopen_into",
+                        lambda out, k, fd: made.append(fd) or real(out, k, fd))
     r, w = smp.Pipe(duplex=False)
     try:
         assert ofd_lease._kept == kept_before and _holding(seg).by[seg.slot] == -1

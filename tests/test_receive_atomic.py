@@ -4,8 +4,10 @@ An exception raised at any point of the receive path (what a signal handler that
 such as SIGINT's, does) leaves the message delivered by that call or by the next one,
 never half a frame in the socket, no fd open and the producer's segment released.  The
 exception is injected with ``sys.settrace`` at every point where a signal handler can run
-(see :class:`Inject`), in turn, in the code of ``ipc.scm_rights``, ``_connection`` and
-``_queues`` that a receive runs.
+(see :class:`Inject`), in turn, in the code a receive runs: the channel's
+(``ipc.scm_rights``, ``_connection``, ``_queues``) and the load's (``_reductions``,
+``_wire``, ``_segments``, ``ipc.ofd_lease``, ``ipc.posix_shm``).  Raised inside the load,
+the message is discarded, and nothing it took (a hold, a mapping, an fd) is left behind.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ import pytest
 
 import shmtensor
 import shmtensor.multiprocessing as smp
-from shmtensor import _connection, _queues
-from shmtensor.ipc import scm_rights
+from shmtensor import _connection, _queues, _reductions, _segments, _wire
+from shmtensor.ipc import ofd_lease, posix_shm, scm_rights
 
 JOIN = 60
-_FILES = {scm_rights.__file__, _connection.__file__, _queues.__file__}
+# the channel's receive and the load: unpickling, holds, mappings and the receive cache
+_FILES = {m.__file__ for m in (scm_rights, _connection, _queues, _reductions, _wire,
+                               _segments, ofd_lease, posix_shm)}
 
 
 class Injected(Exception):
