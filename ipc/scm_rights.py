@@ -240,6 +240,12 @@ class FrameReader:
         self._broken: str | None = None
         self._pid = os.getpid()
 
+    @property
+    def partial(self) -> bool:
+        """Whether this process read part of a frame and not yet the rest: the socket is
+        mid-frame for any other reader of it (a queue keeps its read lock meanwhile)."""
+        return bool(self._parts) and self._pid == os.getpid()
+
     def read(self, sock: socket.socket, deadline: float | None = None,
              maxsize: int | None = None) -> bool:
         """Make ``ready`` a whole frame: True, or False when ``deadline`` (a
