@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib as _importlib
 import os as _os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shmtensor.ipc import janitor as _janitor
 from shmtensor.ipc import ofd_lease as _ofd_lease
@@ -29,6 +29,11 @@ __all__ = ["empty", "zeros", "ones", "full", "empty_like", "zeros_like", "share_
            "get_all_sharing_strategies", "set_inline_threshold", "get_inline_threshold",
            "set_receive_spin", "get_receive_spin", "empty_cache", "debug_info", "ShmSpaceError",
            "BatchPool"]
+
+if TYPE_CHECKING:  # a type checker sees the real signatures; at run time they load lazily
+    from ._alloc import (empty, empty_like, full, is_shared, ones, share_memory, zeros,
+                         zeros_like)
+    from ._batch_pool import BatchPool
 
 _LAZY = {name: "._alloc" for name in ("empty", "zeros", "ones", "full", "empty_like",
                                      "zeros_like", "share_memory", "is_shared")}
