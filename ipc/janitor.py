@@ -52,7 +52,7 @@ _BOOT = ("import sys; sys.path.append(sys.argv.pop(1)); "
 
 _lock = threading.Lock()
 _sock: socket.socket | None = None
-_proc: subprocess.Popen | None = None
+_proc: subprocess.Popen[bytes] | None = None
 _names: dict[str, set[int]] = {}  # the live registry: every name told and its lease slots
 _lease_fds: list[int] = []
 

@@ -42,6 +42,8 @@ import os
 import resource
 import struct
 import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from .posix_shm import PREFIX, fd_limit_error, process_tag
 from .scm_rights import close_fds
@@ -56,12 +58,21 @@ HAVE_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")
 _SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64 and aarch64
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    # hold's ``deferred``: (table id, slot, in-flight fd) per hold to make real once loaded
+    # (shmtensor._wire.Deferred, which this package must not import)
+    Deferred: TypeAlias = list[tuple[str, int, int]]
+
+_T = TypeVar("_T")
+
 
 _paths: dict[int, str] = {}
 _REOPEN = os.O_RDWR | os.O_CLOEXEC
 
 
-def _reopen_into(out: list, k: int, fd: int) -> None:
+def _reopen_into(out: list[int], k: int, fd: int) -> None:
     """``out[k]`` = a new description of ``fd``'s file.  The description is stored by the
     statement that opens it (a slice assigned from a ``map``: C from the open to the
     store), so an exception a signal handler raises never finds it opened and unowned."""
@@ -92,7 +103,8 @@ def probe_held(fd: int, slot: int, count: int = 1) -> bool:
     bytes from it) of the table ``fd`` is of."""
     res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK,
                       _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, slot, count, 0))
-    return _FLOCK.unpack(res)[0] != fcntl.F_UNLCK
+    kind: int = _FLOCK.unpack(res)[0]
+    return kind != fcntl.F_UNLCK
 
 
 SHARDS = 8  # lock files per table: slot ``s`` is byte ``s`` of file ``s % SHARDS``
@@ -128,7 +140,7 @@ class LeaseTable:
         """True while any process, this one included, holds ``slot`` or a message carries it."""
         return probe_held(self.fds[slot % SHARDS], slot)
 
-    def unheld(self, slots, probes: int) -> set[int]:
+    def unheld(self, slots: Iterable[int], probes: int) -> set[int]:
         """Those of ``slots`` that nobody holds, found with one probe per lease file over
         the range its slots span; where that range is held somewhere, up to ``probes``
         more, one per slot (the rest count as held).  Reusing the oldest of many freed
@@ -235,7 +247,7 @@ def _holding(table_id: str) -> _Holding:
 
 
 def hold(table_id: str, slot: int, fd_source: int | None = None,
-         deferred: list | None = None) -> None:
+         deferred: Deferred | None = None) -> None:
     """Hold ``slot`` of ``table_id`` through this process's description of its file (made
     from ``fd_source``, a description of that file, if this process has none yet).
 
@@ -261,7 +273,8 @@ def hold(table_id: str, slot: int, fd_source: int | None = None,
                         _setlk(fd, fcntl.F_RDLCK, slot)
                         h.by[slot] = -1
                     else:
-                        deferred.append(entry)
+                        # fd_source is an int here: ``entry`` was made before the test
+                        deferred.append(entry)  # type: ignore[arg-type]
                 except OSError:  # no lock to be had: nothing held
                     h.counts.pop(slot, None)
                     raise
@@ -378,7 +391,7 @@ def shed_kept() -> int:
     return closed
 
 
-def retry_after_shedding(err: OSError, make, *args):
+def retry_after_shedding(err: OSError, make: Callable[..., _T], *args: object) -> _T:
     """``make(*args)`` once more, when ``err`` (what it raised) says this process has no
     fd left and :func:`shed_kept` freed some; else ``err`` is raised."""
     if err.errno != errno.EMFILE or not shed_kept():
@@ -386,7 +399,8 @@ def retry_after_shedding(err: OSError, make, *args):
     return make(*args)
 
 
-def establish(table_id: str, slot: int, inflight: int | list, sole: bool, i: int = -1) -> bool:
+def establish(table_id: str, slot: int, inflight: int | list[int], sole: bool,
+              i: int = -1) -> bool:
     """End of a load: turn a deferred hold into a real one before ``inflight`` (the
     message's description, covering ``slot``) is closed.  ``sole``: ``inflight`` covers no
     other slot, so it may itself become the hold.  Returns True when it did (the caller
@@ -416,7 +430,7 @@ def establish(table_id: str, slot: int, inflight: int | list, sole: bool, i: int
         return keep
 
 
-def hold_sole(table_id: str, slot: int, inflight: int | list, i: int = -1) -> bool:
+def hold_sole(table_id: str, slot: int, inflight: int | list[int], i: int = -1) -> bool:
     """:func:`hold` + :func:`establish` in one step, for a loaded message whose in-flight
     description ``inflight`` covers ``slot`` alone (see ``shmtensor.cuda._vmm``'s lane).
     Returns True when ``inflight`` became the hold (the caller must then not close it).
@@ -441,14 +455,15 @@ def hold_sole(table_id: str, slot: int, inflight: int | list, i: int = -1) -> bo
                 raise
 
 
-def _make_real(h: _Holding, slot: int, inflight: int | list, sole: bool, budget: int,
+def _make_real(h: _Holding, slot: int, inflight: int | list[int], sole: bool, budget: int,
                i: int = -1) -> bool:
     """Hold ``slot`` by ``inflight`` itself (when ``sole`` and within the budget: True) or
     by a lock through this process's description of its file (caller holds ``h.lock``).
     ``inflight`` may be a message's fd list, the description at index ``i``: kept, it
     leaves the list with no point in between where a signal handler runs."""
     global _kept
-    fds = inflight if type(inflight) is list else [inflight]
+    # (type() is list, so the other branch has the int: mypy narrows isinstance only)
+    fds: list[int] = inflight if type(inflight) is list else [inflight]  # type: ignore[list-item]
     fd = h.fd_for(slot, fds[i])  # made on first need: forwarding reopens it
     if sole:
         with _kept_lock:
@@ -466,7 +481,7 @@ def release(table_id: str, slot: int) -> None:
     release_many(table_id, (slot,))
 
 
-def release_many(table_id: str, slots) -> None:
+def release_many(table_id: str, slots: Iterable[int]) -> None:
     """:func:`release` of each of ``slots`` (repeats count) under one take of the
     holding's lock: a drain lets go of many holds on one table at once."""
     global _kept
@@ -497,7 +512,7 @@ def release_many(table_id: str, slots) -> None:
             _kept -= closed
 
 
-def inflight_fd(table_id: str, slots) -> int:
+def inflight_fd(table_id: str, slots: Sequence[int]) -> int:
     """A new description of ``table_id``'s file of ``slots`` (all in one file: see
     :data:`SHARDS`) with them read-locked, to travel with a message."""
     k = slots[0] % SHARDS
@@ -506,7 +521,7 @@ def inflight_fd(table_id: str, slots) -> int:
     return _locked_copy(source, slots)
 
 
-def _locked_copy(source: int, slots) -> int:
+def _locked_copy(source: int, slots: Iterable[int]) -> int:
     made = [-1]
     _reopen_into(made, 0, source)
     fd = made[0]

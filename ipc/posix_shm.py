@@ -24,6 +24,7 @@ import os
 import re
 import stat
 import sys
+from typing import cast
 
 from . import shm_space
 
@@ -125,6 +126,7 @@ def fd_limit_error(err: OSError, what: str) -> OSError:
         return err
     import resource
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    n: int | str  # "?": the count itself could not be had
     try:
         n = len(os.listdir("/proc/self/fd"))
     except OSError:  # which itself needs an fd
@@ -149,7 +151,8 @@ def _reserve(fd: int, size: int, named: bool) -> None:
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.ENOMEM):  # EFBIG is RLIMIT_FSIZE, not space
             shm_space.forget()
-            free, where = shm_space.shortfall(1 << 62, named, SHM_DIR)
+            # 1 << 62 bytes never fit: a (free, where) pair, never None
+            free, where = cast("tuple[int, str]", shm_space.shortfall(1 << 62, named, SHM_DIR))
             raise space_error(size, named, free, where) from None
         raise
     shm_space.note_reserved(size)

@@ -99,7 +99,7 @@ def scan() -> dict[str, SegmentUse]:
 def shm_entries() -> dict[str, os.stat_result]:
     """Every shmtensor-like name in /dev/shm and its ``lstat`` (a symlink's own, never what
     it points to): segments, and whatever else was put there under such a name."""
-    out = {}
+    out: dict[str, os.stat_result] = {}
     try:
         names = os.listdir(posix_shm.SHM_DIR)
     except FileNotFoundError:

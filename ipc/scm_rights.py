@@ -29,7 +29,19 @@ import select
 import socket
 import struct
 import time
+from collections.abc import Callable, Iterable, Sequence
 from itertools import starmap
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from _typeshed import ReadableBuffer
+
+    # what one ``recvmsg`` returns: (data, [(level, type, payload)], flags, address)
+    _Msg: TypeAlias = tuple[bytes, list[tuple[int, int, bytes]], int, Any]
+
+_T = TypeVar("_T")
 
 __all__ = ["HAVE_SCM_RIGHTS", "MAX_FDS", "ATOMIC_MAX", "send_frame", "try_send_frame",
            "recv_frame", "FrameReader", "Frame", "FrameTooLong", "SpinWait", "close_fds"]
@@ -43,7 +55,8 @@ _Q = struct.Struct("!Q")
 _QI = struct.Struct("!QI")
 _ANC_SIZE = socket.CMSG_SPACE(MAX_FDS * 4) if HAVE_SCM_RIGHTS else 0
 _INLINE = 1 << 16
-_UNPACK_FDS: dict = {}  # fd count -> struct unpack of that many C ints
+# fd count -> struct unpack of that many C ints
+_UNPACK_FDS: dict[int, Callable[[bytes], tuple[int, ...]]] = {}
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)
 _DONTWAIT = int(socket.MSG_DONTWAIT)
 _SOL_SOCKET, _SCM_RIGHTS = int(socket.SOL_SOCKET), int(getattr(socket, "SCM_RIGHTS", 1))
@@ -55,14 +68,14 @@ _RECV_FLAGS = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
 ATOMIC_MAX = 32 << 10  # a plain int: enum '&' costs microseconds
 
 
-def _anc(fds):
+def _anc(fds: Sequence[int]) -> list[tuple[int, int, array.array[int]]]:
     return [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))] if fds else []
 
 
 _COMPACT_MAX = (1 << 23) - 1  # payload bytes a compact fd header can say
 
 
-def _header(n: int, fds) -> bytes:
+def _header(n: int, fds: Sequence[int]) -> bytes:
     if fds:
         if n <= _COMPACT_MAX and len(fds) <= MAX_FDS:
             return _SMALL.pack(-3 - (n << 8 | len(fds)))
@@ -72,12 +85,12 @@ def _header(n: int, fds) -> bytes:
     return _LARGE.pack(-1, n)
 
 
-def _finish(sock, header, data, sent: int) -> None:
+def _finish(sock: socket.socket, header: bytes, data: bytes | memoryview, sent: int) -> None:
     if sent < len(header) + len(data):
         sock.sendall(memoryview(header + bytes(data))[sent:])
 
 
-def try_send_frame(sock: socket.socket, data, fds=()) -> bool:
+def try_send_frame(sock: socket.socket, data: ReadableBuffer, fds: Sequence[int] = ()) -> bool:
     """Send a frame of at most ``ATOMIC_MAX`` bytes now if the socket has room (False,
     nothing sent, if it has not): lets a queue skip its feeder thread while the reader
     keeps up."""
@@ -96,7 +109,7 @@ def try_send_frame(sock: socket.socket, data, fds=()) -> bool:
     return True
 
 
-def send_frame(sock: socket.socket, data, fds=()) -> None:
+def send_frame(sock: socket.socket, data: ReadableBuffer, fds: Sequence[int] = ()) -> None:
     """Send ``data`` (bytes-like) and ``fds`` as one frame."""
     data = memoryview(data).cast("B")
     n = len(data)
@@ -111,7 +124,7 @@ def send_frame(sock: socket.socket, data, fds=()) -> None:
         sock.sendall(data)
 
 
-def _sendall_msg(sock, buf, fds):
+def _sendall_msg(sock: socket.socket, buf: bytes, fds: Sequence[int]) -> None:
     sent = sock.sendmsg([buf], _anc(fds))
     if sent < len(buf):
         sock.sendall(buf[sent:])
@@ -126,7 +139,7 @@ def _unpack_fds(payload: bytes) -> tuple[int, ...]:
     return unpack(payload[:4 * n])
 
 
-def _collect(parts) -> tuple[list[int], bool]:
+def _collect(parts: Iterable[_Msg]) -> tuple[list[int], bool]:
     """The fds that came with ``parts`` (``recvmsg`` results), and whether some were
     dropped (MSG_CTRUNC)."""
     fds: list[int] = []
@@ -164,13 +177,13 @@ class SpinWait:
         self.budget = budget
         self.hot = True
 
-    def read_head(self, sock: socket.socket):
+    def read_head(self, sock: socket.socket) -> _Msg:
         """The first read of a frame, as ``recvmsg(4, ...)`` gives it."""
-        got: list = []
+        got: list[_Msg] = []
         self.read_into(sock, got)
         return got[0]
 
-    def read_into(self, sock: socket.socket, out: list) -> None:
+    def read_into(self, sock: socket.socket, out: list[_Msg]) -> None:
         """The first read of a frame, appended to ``out`` (see ``_FIRST``)."""
         clock = time.perf_counter
         if self.hot:
@@ -198,12 +211,19 @@ class Frame:
 
     __slots__ = ("data", "fds", "counted", "started", "dead", "result")
 
-    def __init__(self, data, fds: list[int]) -> None:
+    data: bytes | bytearray  # bytes up to _INLINE, else the bytearray read into
+    fds: list[int]
+    counted: bool
+    started: bool
+    dead: bool
+    result: list[Any]  # what the loader returned, once it returned
+
+    def __init__(self, data: bytes | bytearray, fds: list[int]) -> None:
         self.data, self.fds = data, fds
         self.counted = self.started = self.dead = False
-        self.result: list = []
+        self.result = []
 
-    def hand_to(self, load, extra):
+    def hand_to(self, load: Callable[..., _T], extra: tuple[object, ...]) -> _T:
         # one line: from the moment load is called, the fds are its own
         self.started = True; return load(self.data, self.fds, *extra)  # noqa: E702
 
@@ -233,10 +253,10 @@ class FrameReader:
     def __init__(self, wait: SpinWait | None = None) -> None:
         self.wait = wait
         self.ready: Frame | None = None
-        self._parts: list = []   # recvmsg results: the header, then any follow-up fd bytes
-        self._chunks: list = []  # a small payload's reads
-        self._buf = None         # a large payload's buffer ...
-        self._counts: list = []  # ... and how much each read put in it
+        self._parts: list[_Msg] = []  # recvmsg results: the header, then any follow-up fd bytes
+        self._chunks: list[bytes] = []  # a small payload's reads
+        self._buf: bytearray | None = None  # a large payload's buffer ...
+        self._counts: list[int] = []  # ... and how much each read put in it
         self._broken: str | None = None
         self._pid = os.getpid()
 
@@ -271,12 +291,12 @@ class FrameReader:
                 self._advance(sock, deadline, maxsize)
             raise
 
-    def take(self, load, *extra):
+    def take(self, load: Callable[..., _T], *extra: object) -> _T:
         """``load(data, fds, *extra)`` of the ready frame: its result.  ``load`` owns the
         fds from its first line (it closes what it does not keep, however it ends).  An
         exception before ``load`` began leaves the frame for the next call; one after it
         returned leaves its result there; one inside it discards the frame."""
-        frame = self.ready
+        frame: Frame = self.ready  # type: ignore[assignment]  # read() returned True first
         if not frame.result:
             try:
                 frame.result.extend(map(frame.hand_to, (load,), (extra,)))
@@ -287,7 +307,9 @@ class FrameReader:
                     frame.dead = True
                     self._drop(frame)
                 raise
-        self.ready = None; return frame.result[0]  # noqa: E702 (no line between the two)
+        # no line between the two; Any: a result an earlier call left (see above) is what
+        # that call's load returned
+        self.ready = None; return frame.result[0]  # type: ignore[no-any-return]  # noqa: E702
 
     def discard(self) -> None:
         """Close the fds of a pending frame, whole or not, and forget it (the channel is
@@ -316,7 +338,8 @@ class FrameReader:
                             f"({message}); nothing more can be read from it")
         return OSError(message)
 
-    def _recv(self, sock, out: list, fn, args, deadline) -> bool:
+    def _recv(self, sock: socket.socket, out: list[Any], fn: Callable[..., Any],
+              args: tuple[Any, ...], deadline: float | None) -> bool:
         """``out.extend(starmap(fn, (args,)))``; with a deadline, without blocking past it
         (False).  End of file in a frame raises."""
         if deadline is None:
@@ -338,7 +361,8 @@ class FrameReader:
             raise self._fail(_TRUNCATED)
         return True
 
-    def _advance(self, sock, deadline, maxsize) -> bool:
+    def _advance(self, sock: socket.socket, deadline: float | None,
+                 maxsize: int | None) -> bool:
         parts = self._parts
         if not parts:
             if deadline is None and self.wait is not None:
@@ -366,7 +390,7 @@ class FrameReader:
                 if not self._recv(sock, chunks, sock.recv, (n - have, _RECV_FLAGS), deadline):
                     return False
                 have += len(chunks[-1])
-            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            data: bytes | bytearray = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         else:
             if self._buf is None:
                 self._buf = bytearray(n)
@@ -392,7 +416,7 @@ class FrameReader:
             Frame(data, fds), [], [], None, [])
         return True
 
-    def _header(self, parts) -> tuple[int, int, int]:
+    def _header(self, parts: list[_Msg]) -> tuple[int, int, int]:
         """(bytes of the header, and of any follow-up fd bytes, still to read; payload
         length; fd count) from the reads so far."""
         head = parts[0][0] if len(parts) == 1 else b"".join(p[0] for p in parts)
@@ -438,7 +462,8 @@ def _wait_readable(sock: socket.socket, deadline: float) -> bool:
             return True
 
 
-def recv_frame(sock: socket.socket, wait: SpinWait | None = None) -> tuple[bytes, list[int]]:
+def recv_frame(sock: socket.socket,
+               wait: SpinWait | None = None) -> tuple[bytes | bytearray, list[int]]:
     """Receive one frame: ``(payload, fds)``; the caller owns (and must close) the fds.
     ``wait``: the reader's :class:`SpinWait`, if it spins before sleeping.  A reader that
     may be interrupted keeps a :class:`FrameReader` instead."""
@@ -447,7 +472,7 @@ def recv_frame(sock: socket.socket, wait: SpinWait | None = None) -> tuple[bytes
     return reader.take(_as_received)
 
 
-def _as_received(data, fds):
+def _as_received(data: bytes | bytearray, fds: list[int]) -> tuple[bytes | bytearray, list[int]]:
     return data, fds
 
 
@@ -455,7 +480,7 @@ _TRUNCATED = "got end of file during message"  # as the stdlib's Connection says
 # closed in the middle of a frame (it died mid-send); EOFError is only for an end between
 
 
-def close_fds(fds) -> None:
+def close_fds(fds: Iterable[int]) -> None:
     """Close every fd of ``fds`` that is not -1 (a slot given away), ignoring ones already
     closed: for received fds nobody keeps, and fds a process lets go of at exit.  In a
     list, each entry becomes -1 as it is closed, so closing the same list again (after an

@@ -104,6 +104,7 @@ def _levels() -> tuple[str, list[str]]:
         return "", []
     mounts = _cgroup_mounts()
     v1 = v2 = None
+    path: str | None  # each line's, then the chosen version's (None: not found)
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if "memory" in controllers.split(","):
