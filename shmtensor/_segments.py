@@ -49,13 +49,18 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from itertools import islice, starmap
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from shmtensor.ipc import janitor, ofd_lease, posix_shm, shm_space
 
 from . import _stats
+
+if TYPE_CHECKING:
+    from ._wire import Deferred
 
 FD, FS = "file_descriptor", "file_system"
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -84,7 +89,23 @@ class Segment:
     __slots__ = ("key", "kind", "size", "table_id", "slot", "own", "mm", "fd", "address",
                  "_anchor", "idle_since", "pinned", "slab", "file", "__weakref__")
 
-    def anchor(self, lease_fd: int | None = None, deferred: list | None = None) -> np.ndarray:
+    key: str  # NAME, or NAME@OFFSET: one of several segments of one file (file_of)
+    kind: str  # FD or FS
+    size: int
+    table_id: str  # the creator's lease table, and the segment's slot in it
+    slot: int
+    own: bool  # made by this process
+    mm: posix_shm.Mapping | None  # None once unmapped
+    fd: int | None  # the segment's fd, when kept (a memfd, to forward or reuse)
+    address: int  # where it is mapped
+    _anchor: _AnchorRef | None
+    idle_since: float  # time.monotonic() when its anchor last died
+    pinned: bool
+    slab: bool
+    file: _SharedFile | None  # the file it shares with other segments, if any
+
+    def anchor(self, lease_fd: int | None = None,
+               deferred: Deferred | None = None) -> np.ndarray:
         """The live anchor (made, and the lease held, if none is alive).  ``lease_fd``: a
         description of the segment's lease table, for a process that has none yet (and,
         with ``deferred``, the message's in-flight lock: see ``ofd_lease.hold``)."""
@@ -105,7 +126,7 @@ class Segment:
                         raise
         return a
 
-    def anchor_sole(self, inflight: int | list) -> tuple[np.ndarray, bool]:
+    def anchor_sole(self, inflight: int | list[int]) -> tuple[np.ndarray, bool]:
         """The live anchor, or a new one held through ``inflight`` (a message's in-flight
         description covering this segment's slot alone: ``ofd_lease.hold_sole``; the
         message's fd list, the description last, which it then leaves).  Returns it and
@@ -129,7 +150,9 @@ class Segment:
     def _buffer(self) -> np.ndarray:
         if self.mm is None:
             raise LookupError(f"segment {self.key} was unmapped here")
-        return np.frombuffer(self.mm.buffer, np.uint8, count=self.size)
+        # a ctypes array (a buffer, which numpy's stubs do not list): an ndarray
+        return np.frombuffer(self.mm.buffer, np.uint8,  # type: ignore[call-overload, no-any-return]
+                             count=self.size)
 
     def _watch(self, a: np.ndarray) -> None:
         """Make ``a`` the anchor, its hold taken (caller holds ``_lock``)."""
@@ -225,14 +248,14 @@ _next_trim = 0.0  # no trim pass before this (monotonic) unless forced or over b
 
 # Slabs, per strategy: every own slab in existence (live or idle), and the one being carved.
 _slabs: dict[str, dict[str, Segment]] = {FD: {}, FS: {}}
-_current: dict[str, list] = {}  # kind -> [segment, anchor, next free offset]
+_current: dict[str, list[Any]] = {}  # kind -> [segment, anchor, next free offset]
 
 
 _budget = [0.0, IDLE_BYTES]  # [until (monotonic), bytes]: see _idle_budget
 _BUDGET_UNLIMITED_SECONDS = 5.0  # no memory cgroup limit: looked for again after this
 
 
-def _idle_budget() -> int:
+def _idle_budget() -> float:
     """Idle bytes this process keeps (own idle segments, and the receive cache, each):
     :data:`IDLE_BYTES`, less under a memory cgroup limit.  There idle memory is kept only
     while the cgroup's usage stays under half its limit: idle segments are charged to it,
@@ -286,16 +309,17 @@ def _own_idle_drop(seg: Segment) -> None:
         _own_idle_bytes -= seg.size
 
 
-_died: queue.SimpleQueue = queue.SimpleQueue()  # segments whose anchor died, to settle
-_settling: list = []  # one taken off _died and not yet settled (see _settle)
+_died: queue.SimpleQueue[Segment] = queue.SimpleQueue()  # segments whose anchor died, to settle
+_settling: list[Segment] = []  # one taken off _died and not yet settled (see _settle)
 
 
-class _AnchorRef(weakref.ref):
+class _AnchorRef(weakref.ref[np.ndarray]):
     """How a segment knows its live anchor; the anchor's death calls back
     :func:`_anchor_ref_died`.  Lighter than ``weakref.finalize`` on a path taken once per
     received message; the segment keeps it (so the callback runs), and it the segment."""
 
     __slots__ = ("seg",)
+    seg: Segment
     # Set at exit: anchors dying after that release nothing (the kernel drops the locks
     # with the process).  A class attribute, as everything the callback reaches is bound
     # to it: module globals are None by the time a module's dict is cleared at shutdown,
@@ -303,8 +327,9 @@ class _AnchorRef(weakref.ref):
     exiting = False
 
 
-def _anchor_ref_died(ref: _AnchorRef, release=ofd_lease.release, now=time.monotonic,
-                     died=_died.put) -> None:
+def _anchor_ref_died(ref: _AnchorRef, release: Callable[[str, int], None] = ofd_lease.release,
+                     now: Callable[[], float] = time.monotonic,
+                     died: Callable[[Segment], None] = _died.put) -> None:
     """A finalizer: release the lease now (other processes may be waiting to reuse the
     segment) and leave the idle bookkeeping to the next call that takes ``_lock``."""
     if type(ref).exiting:
@@ -355,9 +380,9 @@ def settle() -> None:
         _ensure_sweeper()
 
 
-def segment_of(a) -> Segment | None:
+def segment_of(a: np.ndarray) -> Segment | None:
     """The segment holding ``a``'s memory, or None when ``a`` is not shared."""
-    b = a.base
+    b: object = a.base
     while b is not None:
         if isinstance(b, np.ndarray):
             b = b.base
@@ -669,7 +694,9 @@ def trim(force: bool = False) -> int:
                     break  # oldest first: the rest are younger
                 if seg.alive() or idle.get(seg.key) is not seg:
                     continue
-                if table.is_held(seg.slot):
+                # FIXME: table is None when nothing was idle at its test, and another
+                # thread settled an own segment since (then a force pass raises here)
+                if table.is_held(seg.slot):  # type: ignore[union-attr]
                     idle.move_to_end(seg.key)  # held elsewhere: let the next pass reach others
                     next_due = min(next_due, now + _RETRIM_SECONDS)
                     continue
@@ -681,8 +708,9 @@ def trim(force: bool = False) -> int:
 
 # --- attached segments (the receive cache) ------------------------------------------------
 
-def receive(key: str, kind: str, size: int, table_id: str, slot: int, fd: int | list | None,
-            lease_fd: int, deferred: list | None = None, fd_i: int = 0) -> tuple[np.ndarray, bool]:
+def receive(key: str, kind: str, size: int, table_id: str, slot: int,
+            fd: int | list[int] | None, lease_fd: int, deferred: Deferred | None = None,
+            fd_i: int = 0) -> tuple[np.ndarray, bool]:
     """The anchor of segment ``key`` here, mapping the segment if this process has not
     (from ``fd``, or by name); ``lease_fd`` came with the message (its in-flight lock;
     ``deferred`` as for ``ofd_lease.hold``).  ``fd`` may be the message's fd list, the
@@ -713,7 +741,7 @@ def receive_sole(key: str, kind: str, size: int, table_id: str, slot: int,
             raise
 
 
-def _unanchored(seg: Segment, took: bool, fds: list | None = None, i: int = 0) -> None:
+def _unanchored(seg: Segment, took: bool, fds: list[int] | None = None, i: int = 0) -> None:
     """A received segment whose anchor could not be made (its hold failed: no fd or lock
     left): the message's fd stays the caller's to close (back in ``fds``, at 0, when it
     was taken from there), and the mapping idles in the receive cache instead of staying
@@ -730,7 +758,7 @@ def _unanchored(seg: Segment, took: bool, fds: list | None = None, i: int = 0) -
 
 
 def _attached(key: str, kind: str, size: int, table_id: str, slot: int,
-              fds: list | int | None, i: int = 0) -> tuple[Segment, bool]:
+              fds: list[int] | int | None, i: int = 0) -> tuple[Segment, bool]:
     """Segment ``key`` mapped here, and whether its memfd was kept (caller holds
     ``_lock``).  ``fds``: the memfd (``FD`` kind), or the message's fd list with it at
     ``i``, which a kept memfd then leaves (-1) in the same step as the segment takes it.
@@ -742,7 +770,8 @@ def _attached(key: str, kind: str, size: int, table_id: str, slot: int,
         return seg, False
     name, offset = file_of(key)
     if type(fds) is not list:
-        fds, i = [-1 if fds is None else fds], 0  # an fd the caller keeps owning
+        # an fd the caller keeps owning (fds is an int or None here: type() is not list)
+        fds, i = [-1 if fds is None else fds], 0  # type: ignore[list-item]
     if fds[i] < 0 and kind == FD:
         raise ValueError(f"segment {key!r} came without its fd: a corrupt message")
     if not _died.empty() or _cache_bytes > _idle_budget():
@@ -777,7 +806,8 @@ def _attached(key: str, kind: str, size: int, table_id: str, slot: int,
     return seg, took
 
 
-def new_segment(key, kind, size, table_id, slot, own, fd, populate=False) -> Segment:
+def new_segment(key: str, kind: str, size: int, table_id: str, slot: int, own: bool, fd: int,
+                populate: bool = False) -> Segment:
     seg = Segment.__new__(Segment)
     seg.key, seg.kind, seg.size = key, kind, size
     seg.table_id, seg.slot, seg.own = table_id, slot, own
@@ -789,13 +819,13 @@ def new_segment(key, kind, size, table_id, slot, own, fd, populate=False) -> Seg
     seg.slab = False
     seg.file = None
     seg.mm = None
-    mapped: list = []
+    mapped: list[posix_shm.Mapping] = []
     try:
         # the mapping is in ``mapped`` before it maps, so an exception (a signal
         # handler's) anywhere after that unmaps it below
         posix_shm.map_into(mapped, fd, size, populate, file_of(key)[1])
         seg.mm = mapped[0]
-        seg.address = seg.mm.address
+        seg.address = seg.mm.address  # type: ignore[assignment]  # mapped (or map_into raised)
         _by_buffer[id(seg.mm.buffer)] = seg
         _index(seg)
     except BaseException:
