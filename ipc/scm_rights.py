@@ -224,8 +224,10 @@ class Frame:
         self.result = []
 
     def hand_to(self, load: Callable[..., _T], extra: tuple[object, ...]) -> _T:
-        # one line: from the moment load is called, the fds are its own
-        self.started = True; return load(self.data, self.fds, *extra)  # noqa: E702
+        # one line: from the moment load is called, the fds are its own.  At most one
+        # extra argument, passed plainly: CPython runs signal handlers as a star-call
+        # returns (not as a plain call of a Python function does), losing what it returned
+        self.started = True; return load(self.data, self.fds, extra[0]) if extra else load(self.data, self.fds)  # noqa: E702,E501
 
 
 class FrameTooLong(Exception):
@@ -292,7 +294,8 @@ class FrameReader:
             raise
 
     def take(self, load: Callable[..., _T], *extra: object) -> _T:
-        """``load(data, fds, *extra)`` of the ready frame: its result.  ``load`` owns the
+        """``load(data, fds, *extra)`` (``extra``: at most one argument; see
+        :meth:`Frame.hand_to`) of the ready frame: its result.  ``load`` owns the
         fds from its first line (it closes what it does not keep, however it ends).  An
         exception before ``load`` began leaves the frame for the next call; one after it
         returned leaves its result there; one inside it discards the frame."""

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import socket
+import threading
 from itertools import starmap
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -69,7 +70,7 @@ class _Lock(Protocol):
     def release(self) -> None: ...
 
 
-def _take(lock: _Lock, held: list[bool]) -> bool:
+def _take(lock: _Lock | threading.Lock, held: list[bool]) -> bool:
     """Try ``lock`` without blocking; ``held`` records it with no point between the
     acquire and the record where a signal handler runs (see ``_queues._read_locked``)."""
     held.extend(filter(None, starmap(lock.acquire, _NOW)))
@@ -190,13 +191,16 @@ async def _ready(loop: asyncio.AbstractEventLoop, fd: int, write: bool, until: f
             loop.remove_reader(fd)
 
 
-async def read_frame(conn: Connection, lock: _Lock | None, block: bool = True,
+async def read_frame(conn: Connection, lock: _Lock | None, turn: _Turn | None = None,
+                     block: bool = True,
                      timeout: float | None = None) -> scm_rights.Frame | None:
     """Wait in the running loop, without blocking it, until a whole frame is ready in
     ``conn``'s reader: the frame (``conn.take`` hands it over: the caller does so with no
     ``await`` in between), or None when ``block`` is false and none is ready, or when
     ``timeout`` (seconds, for the whole frame) passed first.  ``lock``: a queue's read
-    lock, held while this reads or waits, released before it returns."""
+    lock, held while this reads or waits, released before it returns, or kept for this
+    process while a frame stays part-read; ``turn``: the queue's ``_queues.ReadTurn``
+    (taken first, as a blocking get takes it)."""
     loop = asyncio.get_running_loop()
     now = loop.time()
     deadline = now if not block else None if timeout is None else now + max(timeout, 0.0)
@@ -211,17 +215,17 @@ async def read_frame(conn: Connection, lock: _Lock | None, block: bool = True,
     if not entered:
         _forget(conn, loop, line)
         return None
-    held: list[bool] = []
+    held: list[bool] = []  # as _queues._read_locked's: the turn, the kept lock, the lock
     retry = _RETRY_FIRST
     try:
         while True:
             wait = None
-            if lock is None or held or _take(lock, held):
+            if lock is None or turn is None or _take_read(turn, lock, held):
                 frame = conn.read_frame(0.0)  # never blocks; what it read stays in the reader
                 if frame is not None:
                     return frame
             else:
-                wait = retry  # the lock is held elsewhere: no fd says when it is free
+                wait = retry  # a lock is held elsewhere: no fd says when it is free
                 retry = min(retry * 2, _RETRY_MAX)
             now = loop.time()
             if deadline is not None and now >= deadline:
@@ -231,9 +235,38 @@ async def read_frame(conn: Connection, lock: _Lock | None, block: bool = True,
             else:
                 await _ready(loop, conn.fileno(), False, deadline, line)
     finally:
-        if held and lock is not None: lock.release()  # noqa: E701 (the line's first call)
-        line.leave()
-        _forget(conn, loop, line)
+        try:
+            if lock is not None and turn is not None and held[1:] and held[-1]:
+                # no call before the keep or the release (see _queues._read_locked)
+                if conn._frames._parts: turn.kept["rlock"] = True  # noqa: E701
+                else: lock.release()  # noqa: E701
+        finally:
+            if held and turn is not None: turn.lock.release()  # noqa: E701
+            line.leave()
+            _forget(conn, loop, line)
+
+
+class _Turn(Protocol):
+    """``_queues.ReadTurn``: this process's side of a queue's read lock."""
+
+    lock: threading.Lock
+    kept: dict[str, bool]
+
+
+_KEPT = (("rlock", False),)
+
+
+def _take_read(turn: _Turn, lock: _Lock, held: list[bool]) -> bool:
+    """Without blocking: the turn, then the read lock this process kept (taken over) or
+    the queue's read lock; True once ``held`` has the read lock.  Each step is recorded
+    in ``held`` with no point between where a signal handler runs."""
+    if not held and not _take(turn.lock, held):
+        return False
+    if len(held) == 1:
+        held.extend(starmap(turn.kept.pop, _KEPT))
+    if not held[-1]:
+        held.extend(filter(None, starmap(lock.acquire, _NOW)))
+    return held[-1]
 
 
 async def acquire(sem: _Lock, block: bool, timeout: float | None) -> bool:

@@ -204,9 +204,11 @@ class Connection(_StdConnection):
         frames = self._frames
         return frames.ready if frames.read(self._sock, deadline) else None
 
-    def take(self, load: Callable[..., _T], *extra: object) -> _T:
-        """``load(data, fds, *extra)`` of the frame :meth:`read_frame` read: its result."""
-        return self._frames.take(load, *extra)  # (one line: see _queues._read_locked)
+    def take(self, load: Callable[..., _T]) -> _T:
+        """``load(data, fds)`` of the frame :meth:`read_frame` read: its result.  A plain
+        call, not a star-call: CPython runs signal handlers as a star-call returns, which
+        would lose the result (see ``scm_rights.Frame.hand_to``)."""
+        return self._frames.take(load)
 
     def recv_frame(self) -> tuple[bytes, list[int]]:
         """The next frame as it came: ``(payload, fds)``; the caller owns (and must close)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import os
 import sys
 import threading
 import time
@@ -160,6 +161,7 @@ class _ShmQueue(_QueueBase):
 
     def _reset(self, after_fork: bool = False) -> None:
         super()._reset(after_fork)
+        self._turn = _read_turn()  # this process's side of the read lock
         self._unsent = [0]     # frames given to the feeder and not yet sent (under _notempty)
         # send failures the feeder met, not yet raised (under _notempty)
         self._failures: list[BaseException] = []
@@ -252,12 +254,12 @@ class _ShmQueue(_QueueBase):
             raise ValueError(f"Queue {self!r} is closed")
         reader = self._reader
         if block and timeout is None:
-            frame = _read_locked(reader, self._rlock, (), None)
+            frame = _read_locked(reader, self._rlock, self._turn, (), None)
         elif block and timeout is not None:
             deadline = time.monotonic() + timeout  # the whole frame within the timeout
-            frame = _read_locked(reader, self._rlock, (True, timeout), deadline)
+            frame = _read_locked(reader, self._rlock, self._turn, (True, timeout), deadline)
         else:
-            frame = _read_locked(reader, self._rlock, (False,), 0.0)
+            frame = _read_locked(reader, self._rlock, self._turn, (False,), 0.0)
         if frame is None:
             raise Empty
         _count(frame, self._sem)
@@ -273,7 +275,7 @@ class _ShmQueue(_QueueBase):
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         reader = self._reader
-        frame = await _aio.read_frame(reader, self._rlock, block, timeout)
+        frame = await _aio.read_frame(reader, self._rlock, self._turn, block, timeout)
         if frame is None:
             raise Empty
         _count(frame, self._sem)
@@ -387,21 +389,82 @@ def _count(frame: scm_rights.Frame, sem: BoundedSemaphore) -> None:
         frame.counted = True; sem.release()  # noqa: E702 (one line: never twice, never lost)
 
 
-def _read_locked(reader: Connection, rlock: Lock,
+class ReadTurn:
+    """This process's side of a queue's read lock.
+
+    A frame this process has read part of (a ``get(timeout)`` that ran out, an exception
+    a signal handler raised mid-frame) stays in its reader; until the rest is read, the
+    socket is mid-frame for every other reader, so the queue's read lock stays held by
+    this process (``kept``) and the next get of any of its threads resumes the frame.
+    ``lock`` lets one thread of this process read at a time: a thread waiting for its
+    turn takes over a kept read lock as soon as the turn is its (a thread waiting on the
+    read lock itself would wait for good).  Made anew in a forked child, which owns
+    neither (its reader lets go of the parent's part-read frame)."""
+
+    __slots__ = ("lock", "kept", "__weakref__")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.kept: dict[str, bool] = {}
+
+
+_turns: weakref.WeakSet[ReadTurn] = weakref.WeakSet()
+
+
+def _read_turn() -> ReadTurn:
+    turn = ReadTurn()
+    _turns.add(turn)
+    return turn
+
+
+def _forked() -> None:
+    for turn in list(_turns):
+        turn.lock = threading.Lock()
+        turn.kept = {}
+
+
+os.register_at_fork(after_in_child=_forked)
+
+_KEPT = (("rlock", False),)
+
+
+def _then(acquire: tuple[()] | tuple[bool] | tuple[bool, float],
+          deadline: float | None) -> tuple[()] | tuple[bool] | tuple[bool, float]:
+    """``acquire`` for a second lock, within what is left of ``deadline``."""
+    if deadline is None or len(acquire) < 2:
+        return acquire
+    return True, max(0.0, deadline - time.monotonic())
+
+
+def _read_locked(reader: Connection, rlock: Lock, turn: ReadTurn,
                  acquire: tuple[()] | tuple[bool] | tuple[bool, float],
                  deadline: float | None) -> scm_rights.Frame | None:
-    """``reader.read_frame(deadline)`` under the queue's read lock, taken with ``acquire``
-    (its arguments): the frame, or None (the lock or the frame not had in time).  What
-    the lock's acquire returned is recorded with no point between where a signal handler
-    runs (see ``scm_rights._FIRST``), and its release is the first call of its line, so an
-    exception never leaves the lock held (the stdlib Lock's ``__exit__`` is Python code,
-    where a handler can run: ``with`` is not used)."""
-    held: list[bool] = []
+    """``reader.read_frame(deadline)`` with this process's read turn and the queue's read
+    lock, each taken with ``acquire`` (its arguments) within ``deadline``: the frame, or
+    None (a lock or the frame not had in time).  A read lock this process kept for a
+    part-read frame (see :class:`ReadTurn`) is taken over instead of acquired, and kept
+    again while a frame stays part-read.  What each acquire (and the take-over) returned
+    is recorded with no point between where a signal handler runs (see
+    ``scm_rights._FIRST``), and each release is the first call of its line, inside
+    ``finally`` blocks, so an exception never leaves a lock held by nobody (the stdlib
+    Lock's ``__exit__`` is Python code, where a handler can run: ``with`` is not used)."""
+    held: list[bool] = []  # [the turn, the kept read lock taken over, (the read lock)]
     try:
-        held.extend(starmap(rlock.acquire, (acquire,)))
-        return reader.read_frame(deadline) if held[0] else None
+        held.extend(starmap(turn.lock.acquire, (acquire,)))
+        if not held[0]:
+            return None
+        held.extend(starmap(turn.kept.pop, _KEPT))
+        if not held[1]:
+            held.extend(starmap(rlock.acquire, (_then(acquire, deadline),)))
+        return reader.read_frame(deadline) if held[-1] else None
     finally:
-        if held and held[0]: rlock.release()  # noqa: E701 (one line: see above)
+        try:
+            if held[1:] and held[-1]:
+                # no call before the keep or the release: the frame's state decides
+                if reader._frames._parts: turn.kept["rlock"] = True  # noqa: E701
+                else: rlock.release()  # noqa: E701
+        finally:
+            if held and held[0]: turn.lock.release()  # noqa: E701 (first call of its line)
 
 
 def _send_item(item: Frame | _Unpicklable, writer: Connection, writelock: Lock | None) -> None:
@@ -469,15 +532,20 @@ class SimpleQueue(_SimpleQueueBase):
         self._writer.close()
         self._reader, self._writer = Pipe(duplex=False)
         self._poll = self._reader.poll
+        self._turn = _read_turn()  # this process's side of the read lock
+
+    def __setstate__(self, state: Any) -> None:
+        super().__setstate__(state)
+        self._turn = _read_turn()
 
     def get(self) -> Any:
-        _read_locked(self._reader, self._rlock, (), None)
+        _read_locked(self._reader, self._rlock, self._turn, (), None)
         return self._reader.take(_reductions.loads)
 
     async def get_async(self) -> Any:
         """:meth:`get`, awaited: waits for the socket to be readable in the running event
         loop instead of blocking it (no thread); see :meth:`Queue.get_async`."""
-        await _aio.read_frame(self._reader, self._rlock)
+        await _aio.read_frame(self._reader, self._rlock, self._turn)
         return self._reader.take(_reductions.loads)
 
     async def put_async(self, obj: object) -> None:

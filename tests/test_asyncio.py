@@ -153,8 +153,8 @@ def test_an_awaiter_cancelled_mid_frame_leaves_the_frame_for_the_next_get():
         with pytest.raises(asyncio.CancelledError):
             await task
         assert not _watched(q._reader.fileno())
-        assert q._rlock.acquire(False), "the read lock is still held"
-        q._rlock.release()
+        # kept for this process: no other consumer may read mid-frame
+        assert q._turn.kept == {"rlock": True} and not q._rlock.acquire(False)
 
     try:
         run(main())

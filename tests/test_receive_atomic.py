@@ -45,8 +45,9 @@ class Inject:
 
     CPython runs a pending handler only at its eval-breaker checks: as a function begins
     (``RESUME``), at a backward jump, and as a call of anything but a Python function
-    returns (a C function, a class, an object's ``__call__``; a Python function called from
-    Python runs in the same loop, and its own checks stand for its return).  Each point is
+    returns (a C function, a class, an object's ``__call__``, and any star-call,
+    ``f(*args)``; a Python function called plainly from Python runs in the same loop, and
+    its own checks stand for its return).  Each point is
     an ``opcode`` trace event: a jump or ``RESUME`` about to run, or the instruction after
     such a call (seen as the ``c_return`` of a C function, or the ``call`` of a special
     method, in that frame since its call began).  Raising there is what a handler that
@@ -94,7 +95,12 @@ class Inject:
             return self._local
         key = id(frame)
         op = dis.opname[frame.f_code.co_code[frame.f_lasti]]
-        point = (self._prev.get(key) in self._CALLS and key in self._checked) or op in self._CHECKS
+        prev = self._prev.get(key)
+        # a star-call never runs its callee in the same loop: it checks as it returns
+        # (a call that raised goes to its handler with no check: not a point)
+        point = (prev in self._CALLS and op != "PUSH_EXC_INFO"
+                 and (key in self._checked or prev == "CALL_FUNCTION_EX")
+                 or op in self._CHECKS)
         self._prev[key] = op
         if op in self._CALLS:
             self._checked.discard(key)
@@ -377,3 +383,96 @@ def test_get_with_a_timeout_bounds_the_whole_frame_and_the_next_get_resumes_it()
     finally:
         q.close()
         q.join_thread()
+
+
+def _get_once(q, w):
+    """A second consumer: one get with a short timeout, its outcome sent on ``w``."""
+    try:
+        w.send(("got", q.get(timeout=0.5)))
+    except Empty:
+        w.send(("empty", None))
+    except Exception as e:  # noqa: BLE001 - the outcome is the test's to judge
+        w.send(("error", f"{type(e).__name__}: {e}"))
+    w.close()
+
+
+def _second_consumer(ctx, lc, q):
+    r, w = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_get_once, args=(q, w))
+    p.start()
+    lc.check_pid(p.pid)
+    w.close()
+    try:
+        assert r.poll(JOIN), "the second consumer said nothing"
+        return r.recv()
+    finally:
+        p.join(JOIN)
+        assert p.exitcode == 0
+        r.close()
+
+
+def _stall_mid_frame(q):
+    """Write a frame by hand up to the middle of its payload; the rest, to send later."""
+    payload = pickle.dumps(("late", bytes(200_000)))
+    q._sem.acquire()  # as put() would, for the frame written by hand
+    q._writer._sock.sendall(struct.pack("!i", len(payload)) + payload[:1000])
+    return payload[1000:]
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_frame_part_read_by_one_consumer_keeps_the_others_out_until_it_is_whole(lc, method):
+    ctx = smp.get_context(method)
+    q = ctx.Queue()
+    try:
+        rest = _stall_mid_frame(q)
+        with pytest.raises(Empty):
+            q.get(timeout=0.2)  # this process has read part of the frame
+        q._writer._sock.sendall(rest)
+        # the rest is in the socket: another consumer must not read it as a frame
+        assert _second_consumer(ctx, lc, q) == ("empty", None)
+        assert q.get(timeout=JOIN)[0] == "late"
+        q.put("after")  # the frame is whole: the read lock is free again
+        assert _second_consumer(ctx, lc, q) == ("got", "after")
+    finally:
+        q.close()
+        q.join_thread()
+
+
+@pytest.mark.parametrize("simple", [False, True], ids=["Queue", "SimpleQueue"])
+def test_a_thread_waiting_to_get_resumes_a_frame_another_thread_part_read(simple):
+    import threading
+    q = smp.SimpleQueue() if simple else smp.Queue()
+    got: list = []
+    try:
+        if simple:
+            payload = pickle.dumps(("late", bytes(200_000)))
+            q._writer._sock.sendall(struct.pack("!i", len(payload)) + payload[:1000])
+            rest = payload[1000:]
+            # a SimpleQueue's get has no timeout: an exception mid-frame leaves it part-read
+            with pytest.raises(TimeoutError):
+                _read_locked_until(q, 0.2)
+        else:
+            rest = _stall_mid_frame(q)
+            with pytest.raises(Empty):
+                q.get(timeout=0.2)
+        t = threading.Thread(target=lambda: got.append(q.get()))
+        t.start()  # waits for its turn, then takes over the kept read lock
+        q._writer._sock.sendall(rest)
+        t.join(JOIN)
+        assert not t.is_alive() and got and got[0][0] == "late"
+        q.put("after")
+        assert q.get() == "after"
+    finally:
+        q.close()
+        if not simple:
+            q.join_thread()
+
+
+def _read_locked_until(q, seconds):
+    """A SimpleQueue get cut short mid-frame, as a signal handler's exception would."""
+    return _queues._read_locked(q._reader, q._rlock, q._turn, (),
+                                time.monotonic() + seconds) or _raise_timeout()
+
+
+def _raise_timeout():
+    raise TimeoutError
