@@ -199,24 +199,31 @@ def check_name(name: str) -> str:
     return name
 
 
-def open_regular(path: str, flags: int) -> int:
+def open_regular(path: str, flags: int, out: list[int] | None = None) -> int:
     """``path`` opened with ``flags`` without following a symlink or blocking on a FIFO,
-    and only if it is a regular file (anything else raises OSError, nothing left open)."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    and only if it is a regular file (anything else raises OSError, nothing left open).
+    ``out``: the caller's list, which the fd joins in the step that opens it (C from the
+    open to the store), so an exception a signal handler raises finds it there, for the
+    caller to close; an fd refused leaves the list as -1."""
+    made: list[int] = [] if out is None else out
+    i = len(made)
+    made.extend(map(os.open, (path,), (flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,)))
+    fd = made[i]
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, f"{path} is not a regular file: not a segment")
     except BaseException:
-        os.close(fd)
+        made[i] = -1; os.close(fd)  # noqa: E702 (one line: given up and closed together)
         raise
     return fd
 
 
-def open_named(name: str) -> int:
-    """The segment /dev/shm/NAME opened read-write (``name`` checked: never a path)."""
+def open_named(name: str, out: list[int] | None = None) -> int:
+    """The segment /dev/shm/NAME opened read-write (``name`` checked: never a path);
+    ``out`` as :func:`open_regular`'s."""
     path = os.path.join(SHM_DIR, check_name(name))
     try:
-        return open_regular(path, os.O_RDWR)
+        return open_regular(path, os.O_RDWR, out)
     except FileNotFoundError:
         raise FileNotFoundError(
             errno.ENOENT, f"shared-memory segment {name!r} is gone from {SHM_DIR}: its creator "

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import itertools
 import os
 import queue
 import threading
@@ -56,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shmtensor.ipc import janitor, ofd_lease, posix_shm, shm_space
+from shmtensor.ipc.scm_rights import close_fds
 
 from . import _stats
 
@@ -231,8 +233,11 @@ def file_of(key: str) -> tuple[str, int]:
 _lock = threading.RLock()  # everything below; re-entrant: a GC pass may run a finalizer here
 _by_key: dict[str, Segment] = {}
 _by_buffer: dict[int, Segment] = {}  # id(mapping buffer) -> segment: ends every base chain
-_starts: list[int] = []  # mapping addresses of the mapped segments, sorted: segment_at
-_by_start: dict[int, Segment] = {}
+# (mapping address, serial, segment) of the mapped segments, sorted: segment_at.  One list
+# changed by one C call each way, so an exception (a signal handler's) never leaves an
+# index half made.
+_starts: list[tuple[int, int, Segment]] = []
+_serials = itertools.count()
 _kept_fds = 0  # received memfds kept (to forward without a copy); bounded by kept_budget
 
 # The receive cache: attached segments with no live anchor, oldest first.
@@ -397,23 +402,27 @@ def segment_at(address: int) -> Segment | None:
     """The mapped segment whose memory holds ``address``, or None: for memory known only
     by its address (a torch storage made over a view of a segment)."""
     with _lock:
-        i = bisect.bisect_right(_starts, address) - 1
-        seg = _by_start[_starts[i]] if i >= 0 else None
+        i = bisect.bisect_right(_starts, (address, _AFTER_ALL))
+        seg = _starts[i - 1][2] if i else None
     return seg if seg is not None and address < seg.address + seg.size else None
+
+
+_AFTER_ALL = float("inf")  # sorts after every serial: bisects past a start's entries
 
 
 def _index(seg: Segment) -> None:
     with _lock:
-        if seg.address not in _by_start:
-            bisect.insort(_starts, seg.address)
-        _by_start[seg.address] = seg
+        bisect.insort(_starts, (seg.address, next(_serials), seg))
 
 
 def _unindex(seg: Segment) -> None:
     with _lock:
-        if _by_start.get(seg.address) is seg:
-            i = bisect.bisect_left(_starts, seg.address)
-            del _by_start[seg.address]; del _starts[i]  # noqa: E702 (no call between)
+        i = bisect.bisect_left(_starts, (seg.address, -1))
+        while i < len(_starts) and _starts[i][0] == seg.address:
+            if _starts[i][2] is seg:
+                del _starts[i]
+                return
+            i += 1
 
 
 # --- own segments ----------------------------------------------------------------------
@@ -777,29 +786,28 @@ def _attached(key: str, kind: str, size: int, table_id: str, slot: int,
     if not _died.empty() or _cache_bytes > _idle_budget():
         evict_idle()  # what died goes idle, and idle mappings past the budget go first
     budget = ofd_lease.kept_budget()
-    mapfd = fds[i] if kind == FD else posix_shm.open_named(name)
+    opened: list[int] = []  # a named segment's fd, from the step that opens it
     seg, took = None, False
     try:
+        mapfd = fds[i] if kind == FD else posix_shm.open_named(name, opened)
         posix_shm.check_extent(mapfd, offset, size, key)
         seg = new_segment(key, kind, size, table_id, slot, own=False, fd=mapfd)
         if kind == FD and _kept_fds < budget:
             # one line of stores, no call: kept by the segment and out of the list
             took = True; _kept_fds += 1; fds[i] = -1  # noqa: E702
-        elif kind == FD:
+        else:  # not kept: the caller's (a message's), or closed here (a named one's)
             seg.fd = None
-        else:  # a named segment's fd is not kept: the mapping stays
-            seg.fd = None; os.close(mapfd)  # noqa: E702
+        close_fds(opened)  # the mapping stays
         _cache_put(seg)  # idle until anchored; published after (see the except below)
         _by_key[key] = seg
         _stats.bump("segments_attached")
         _stats.bump("bytes_attached", size)
     except BaseException:
-        if seg is None:
-            if kind == FS:
-                os.close(mapfd)
-        elif _by_key.get(key) is not seg:  # never published: unmapped (closing a kept fd)
+        close_fds(opened)
+        if seg is not None and _by_key.get(key) is not seg:
+            # never published: unmapped (closing a kept fd)
             _cache_drop(seg)
-            if kind == FD and not took:
+            if not took:
                 seg.fd = None
             seg.close()
         raise

@@ -174,8 +174,18 @@ def _fds() -> dict[int, str]:
     return out
 
 
+@pytest.fixture(params=["file_descriptor", "file_system"])
+def strategy(request):
+    """Each sharing strategy in turn: memfds passed with the message, or named segments
+    opened by name."""
+    prev = smp.get_sharing_strategy()
+    smp.set_sharing_strategy(request.param)
+    yield request.param
+    smp.set_sharing_strategy(prev)
+
+
 @pytest.mark.parametrize("how", ["get", "get_timeout", "simple", "recv"])
-def test_an_exception_at_every_line_of_a_receive_loses_and_leaks_nothing(lc, how):
+def test_an_exception_at_every_line_of_a_receive_loses_and_leaks_nothing(lc, how, strategy):
     ctx = smp.get_context("fork")
     n = 900
     if how == "recv":
