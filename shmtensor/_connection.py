@@ -29,12 +29,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from shmtensor.ipc import scm_rights
 
-from . import _aio, _reductions, _strategy
+from . import _reductions, _strategy
 
 if TYPE_CHECKING:
     import asyncio
 
     from _typeshed import ReadableBuffer
+
+    from . import _aio  # imported where used: asyncio loads with the first awaitable call
 
     class _StdConnection(_mpc.Connection):
         """The stdlib Connection's private members this module uses (not in its stubs)."""
@@ -147,6 +149,7 @@ class Connection(_StdConnection):
 
     def _close(self, _close: Callable[[int], None] = os.close) -> None:
         if self._lines or self._senders:
+            from . import _aio  # loaded already: it made the awaiters
             _aio.closing(self)  # awaiters watching this socket: woken, they find it closed
         # None once closed: see the class's note (both)
         frames, self._frames = self._frames, None  # type: ignore[assignment]
@@ -243,6 +246,7 @@ class Connection(_StdConnection):
         cancelled before its frame began sends nothing; one cancelled after it began is
         finished in the background (the socket is never left mid-frame), so its message
         is delivered.  Await it before a :meth:`send` on the same end."""
+        from . import _aio  # asyncio loads with the first awaitable call
         self._check_closed()
         self._check_writable()
         try:
@@ -257,6 +261,7 @@ class Connection(_StdConnection):
         message each, in the order they came.  Cancelling it loses no message: a frame it
         read in part stays for the next receive of this process (``recv`` or
         ``recv_async``).  Bound it with ``asyncio.wait_for``/``asyncio.timeout``."""
+        from . import _aio  # asyncio loads with the first awaitable call
         self._check_closed()
         self._check_readable()
         await _aio.read_frame(self, None)

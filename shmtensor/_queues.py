@@ -51,12 +51,14 @@ from typing import TYPE_CHECKING, Any, Protocol, final
 
 from shmtensor.ipc import scm_rights
 
-from . import _aio, _reductions
+from . import _reductions
 from ._connection import Connection, Pipe, send_error
 from ._wire import SendContext
 
 if TYPE_CHECKING:
     from multiprocessing.synchronize import BoundedSemaphore, Condition, Lock, Semaphore
+
+    from . import _aio  # imported where used: asyncio loads with the first awaitable call
 
     class _QueueBase(_mpq.Queue[Any]):
         """The stdlib Queue's private members this module uses (not in its stubs)."""
@@ -272,6 +274,7 @@ class _ShmQueue(_QueueBase):
         Cancelling it loses no message: a frame it read in part stays for the next
         ``get``/``get_async`` of this process.  The read lock held by another process or
         thread is tried again on a timer (1 to 50 ms): a lock has no fd to wait on."""
+        from . import _aio  # asyncio loads with the first awaitable call
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         reader = self._reader
@@ -289,6 +292,7 @@ class _ShmQueue(_QueueBase):
         fd to wait on), then puts; ``queue.Full`` as ``put`` raises it.  A producer of
         another process that takes the room first makes it wait again (having pickled
         the object once more)."""
+        from . import _aio  # asyncio loads with the first awaitable call
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         deadline = None if timeout is None else _aio.loop_time() + timeout
@@ -545,6 +549,7 @@ class SimpleQueue(_SimpleQueueBase):
     async def get_async(self) -> Any:
         """:meth:`get`, awaited: waits for the socket to be readable in the running event
         loop instead of blocking it (no thread); see :meth:`Queue.get_async`."""
+        from . import _aio  # asyncio loads with the first awaitable call
         await _aio.read_frame(self._reader, self._rlock, self._turn)
         return self._reader.take(_reductions.loads)
 
@@ -558,6 +563,7 @@ class SimpleQueue(_SimpleQueueBase):
         finished in the background (never half a frame), so its object is delivered.
         Sends from one loop keep their order.  Await it before a :meth:`put` in the
         same thread: that ``put`` would wait for the write lock this loop holds."""
+        from . import _aio  # asyncio loads with the first awaitable call
         try:
             data, ctx = _reductions.dumps(obj)
         except OSError as e:  # no fd or shared memory for a segment
