@@ -17,11 +17,11 @@ table's per-shard descriptions, kept for its lifetime, aside), its own segments 
 released (the victims' holds died with them), and nothing is left in /dev/shm (the leak
 checker).
 
-Left out: interrupts inside the unpickling.  Raised there, the message is discarded by
-design (its fds closed); tests/test_receive_atomic.py raises at every point of a
-file_descriptor load, and nothing is left behind, but under this soak windows of the other
-loads (a named segment's open and mapping, a spawned producer's slab) still leave a
-mapping or an fd behind.
+Left out by default: interrupts inside the unpickling (``SHMTENSOR_SOAK_LOADS=1`` puts
+them in).  Raised there, the message is discarded by design (its fds closed; then lost
+acknowledged messages may be as many as were discarded, never more), and nothing of it
+may be left behind; tests/test_receive_atomic.py raises at every point of a load of both
+strategies, but this soak still finds, rarely, a peer's lease description left held.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from shmtensor.ipc import ofd_lease, scm_rights
 
 SECONDS = float(os.environ.get("SHMTENSOR_SOAK_SECONDS", "40"))
 SEED = int(os.environ.get("SHMTENSOR_SOAK_SEED", "26"))
+LOADS = os.environ.get("SHMTENSOR_SOAK_LOADS", "") not in ("", "0")  # interrupt unpicklings
 JOIN = 60
 SIZES = [0, 1, 100, 4_000, 30_000, 200_000, 1 << 20, 4 << 20]  # inline, slab, segment
 
@@ -102,7 +103,7 @@ class _Receiver:
         self.got: dict[tuple[int, int], int] = {}
 
     def handler(self, signum, frame) -> None:
-        if self.inside and not _in_load(frame):
+        if self.inside and (LOADS or not _in_load(frame)):
             self.inside = False
             raise Interrupt
         self._arm()
@@ -238,7 +239,7 @@ def test_soak(lc, method, strategy_name):
     print(f"soak {method}/{strategy_name}: {len(recv.got)} messages, {len(acked)} producers "
           f"acknowledged, {killed} killed, {victims} victim consumers, {recv.interrupts} "
           f"interrupts, {recv.discarded} discarded in their unpickling", file=sys.stderr)
-    assert recv.discarded == 0 and not lost, f"acknowledged messages lost: {lost[:10]}"
+    assert len(lost) <= recv.discarded, f"acknowledged messages lost: {lost[:10]}"
     assert acked  # interrupts: as many as the timer lands inside a get (printed)
     recv.got.clear()
     p = q = ack_r = None
