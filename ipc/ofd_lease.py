@@ -42,11 +42,14 @@ import os
 import resource
 import struct
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from .posix_shm import PREFIX, fd_limit_error, process_tag
 from .scm_rights import close_fds
+
+_consume = deque[object](maxlen=0).extend  # runs an iterator out, in C
 
 __all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "hold_sole",
            "lock_shared", "establish", "release", "release_many", "inflight_fd", "sendable",
@@ -415,13 +418,17 @@ def establish(table_id: str, slot: int, inflight: int | list[int], sole: bool,
             return False  # let go during the load, or held some other way meanwhile
         keep = _make_real(h, slot, inflight, sole, budget, i)
         if h.counts.get(slot, 0) == 0:  # released by a finalizer that ran meanwhile: undo
-            fd = h.by.pop(slot, None)
+            fd = h.by.get(slot)
             if fd is None:
                 # that release let go of it already (closing ``inflight`` if it was kept)
                 return keep
-            if keep:  # the caller closes ``inflight``
-                if type(inflight) is list:
-                    inflight[i] = fd  # back in the list it came from
+            if keep and type(inflight) is list:  # the caller closes ``inflight``
+                # back in the list it came from, in the step that takes it out (C)
+                inflight[i:i + 1 or None] = map(h.by.pop, (slot,))
+                fd = inflight[i]
+            else:
+                fd = h.by.pop(slot)
+            if keep:
                 with _kept_lock:
                     _kept -= 1
             else:
@@ -498,13 +505,16 @@ def release_many(table_id: str, slots: Iterable[int]) -> None:
                 continue
             counts.pop(slot, None)
             # drop what physically holds it: a lock through ``fds``, or a kept description
-            fd = by.pop(slot, None)
+            fd = by.get(slot)
             try:
                 if fd == -1:
+                    del by[slot]  # a lock left by an exception here goes with the holding
                     _setlk(fds[slot % SHARDS], fcntl.F_UNLCK, slot)
                 elif fd is not None:
                     closed += 1
-                    os.close(fd)
+                    # taken out and closed in one step (C from the pop to the close), so an
+                    # exception (a signal handler's) never finds it out and open
+                    _consume(map(os.close, map(by.pop, (slot,))))
             except OSError:  # fd closed at interpreter shutdown: dying releases anyway
                 pass
     if closed:

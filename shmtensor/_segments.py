@@ -336,13 +336,16 @@ def _anchor_ref_died(ref: _AnchorRef, release: Callable[[str, int], None] = ofd_
                      now: Callable[[], float] = time.monotonic,
                      died: Callable[[Segment], None] = _died.put) -> None:
     """A finalizer: release the lease now (other processes may be waiting to reuse the
-    segment) and leave the idle bookkeeping to the next call that takes ``_lock``."""
+    segment) and leave the idle bookkeeping to the next call that takes ``_lock``.  Queued
+    first (one C call): an exception a signal handler raises in here (CPython reports it
+    as unraisable) can then cut the release short, never the segment's way back to the
+    idle lists."""
     if type(ref).exiting:
         return
     seg = ref.seg
-    release(seg.table_id, seg.slot)
-    seg.idle_since = now()
     died(seg)
+    seg.idle_since = now()
+    release(seg.table_id, seg.slot)
 
 
 def _settle() -> bool:
