@@ -706,9 +706,9 @@ def trim(force: bool = False) -> int:
                     break  # oldest first: the rest are younger
                 if seg.alive() or idle.get(seg.key) is not seg:
                     continue
-                # FIXME: table is None when nothing was idle at its test, and another
-                # thread settled an own segment since (then a force pass raises here)
-                if table.is_held(seg.slot):  # type: ignore[union-attr]
+                if table is None:  # an own segment went idle since the test above
+                    table = ofd_lease.own_table()
+                if table.is_held(seg.slot):
                     idle.move_to_end(seg.key)  # held elsewhere: let the next pass reach others
                     next_due = min(next_due, now + _RETRIM_SECONDS)
                     continue
