@@ -21,7 +21,8 @@ Left out by default: interrupts inside the unpickling (``SHMTENSOR_SOAK_LOADS=1`
 them in).  Raised there, the message is discarded by design (its fds closed; then lost
 acknowledged messages may be as many as were discarded, never more), and nothing of it
 may be left behind; tests/test_receive_atomic.py raises at every point of a load of both
-strategies, but this soak still finds, rarely, a peer's lease description left held.
+strategies, but this soak still finds, rarely, a dead producer's slab left mapped or a
+peer's lease description left open.
 """
 
 from __future__ import annotations
