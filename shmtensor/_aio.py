@@ -52,6 +52,7 @@ from . import _log
 
 if TYPE_CHECKING:
     from ._connection import Connection
+    from ._queues import ReadTurn
     from ._wire import SendContext
 
 __all__ = ["read_frame", "acquire", "send", "closing", "loop_time"]
@@ -191,7 +192,7 @@ async def _ready(loop: asyncio.AbstractEventLoop, fd: int, write: bool, until: f
             loop.remove_reader(fd)
 
 
-async def read_frame(conn: Connection, lock: _Lock | None, turn: _Turn | None = None,
+async def read_frame(conn: Connection, lock: _Lock | None, turn: ReadTurn | None = None,
                      block: bool = True,
                      timeout: float | None = None) -> scm_rights.Frame | None:
     """Wait in the running loop, without blocking it, until a whole frame is ready in
@@ -246,24 +247,14 @@ async def read_frame(conn: Connection, lock: _Lock | None, turn: _Turn | None = 
             _forget(conn, loop, line)
 
 
-class _Turn(Protocol):
-    """``_queues.ReadTurn``: this process's side of a queue's read lock."""
-
-    lock: threading.Lock
-    kept: dict[str, bool]
-
-
-_KEPT = (("rlock", False),)
-
-
-def _take_read(turn: _Turn, lock: _Lock, held: list[bool]) -> bool:
+def _take_read(turn: ReadTurn, lock: _Lock, held: list[bool]) -> bool:
     """Without blocking: the turn, then the read lock this process kept (taken over) or
     the queue's read lock; True once ``held`` has the read lock.  Each step is recorded
     in ``held`` with no point between where a signal handler runs."""
     if not held and not _take(turn.lock, held):
         return False
     if len(held) == 1:
-        held.extend(starmap(turn.kept.pop, _KEPT))
+        held.extend(starmap(turn.kept.pop, turn.KEPT))
     if not held[-1]:
         held.extend(filter(None, starmap(lock.acquire, _NOW)))
     return held[-1]

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
 
     from . import _aio  # imported where used: asyncio loads with the first awaitable call
+    from ._wire import SendContext
 
     class _StdConnection(_mpc.Connection):
         """The stdlib Connection's private members this module uses (not in its stubs)."""
@@ -63,6 +64,15 @@ def _open_fds(limit: int) -> str:
         return str(len(os.listdir("/proc/self/fd")) - 1)  # less the one listdir used
     except OSError:  # none left to look with
         return f"all {limit}"
+
+
+def dumps_to_send(obj: object, what: str) -> tuple[bytes, SendContext]:
+    """``_reductions.dumps(obj)`` for a send (``what``: "put() failed" ...): an OSError (no
+    fd or shared memory for a segment) raised as :func:`send_error` describes it."""
+    try:
+        return _reductions.dumps(obj)
+    except OSError as e:
+        raise send_error(e, what)
 
 
 def send_error(e: BaseException, what: str,
@@ -223,10 +233,7 @@ class Connection(_StdConnection):
         """Send a picklable object; arrays in it cross through shared memory."""
         self._check_closed()
         self._check_writable()
-        try:
-            data, ctx = _reductions.dumps(obj)
-        except OSError as e:  # no fd or memory for a segment
-            raise send_error(e, "send() failed")
+        data, ctx = dumps_to_send(obj, "send() failed")
         try:
             scm_rights.send_frame(self._sock, data, ctx.wire_fds())
         except OSError as e:
@@ -249,10 +256,7 @@ class Connection(_StdConnection):
         from . import _aio  # asyncio loads with the first awaitable call
         self._check_closed()
         self._check_writable()
-        try:
-            data, ctx = _reductions.dumps(obj)
-        except OSError as e:  # no fd or memory for a segment
-            raise send_error(e, "send() failed")
+        data, ctx = dumps_to_send(obj, "send() failed")
         await _aio.send(self, data, ctx, None, "send() failed")
 
     async def recv_async(self) -> Any:

@@ -52,13 +52,11 @@ from typing import TYPE_CHECKING, Any, Protocol, final
 from shmtensor.ipc import scm_rights
 
 from . import _reductions
-from ._connection import Connection, Pipe, send_error
+from ._connection import Connection, Pipe, dumps_to_send, send_error
 from ._wire import SendContext
 
 if TYPE_CHECKING:
     from multiprocessing.synchronize import BoundedSemaphore, Condition, Lock, Semaphore
-
-    from . import _aio  # imported where used: asyncio loads with the first awaitable call
 
     class _QueueBase(_mpq.Queue[Any]):
         """The stdlib Queue's private members this module uses (not in its stubs)."""
@@ -407,6 +405,8 @@ class ReadTurn:
 
     __slots__ = ("lock", "kept", "__weakref__")
 
+    KEPT = (("rlock", False),)  # ``kept.pop``'s arguments: take the kept lock over, or not
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.kept: dict[str, bool] = {}
@@ -428,9 +428,6 @@ def _forked() -> None:
 
 
 os.register_at_fork(after_in_child=_forked)
-
-_KEPT = (("rlock", False),)
-
 
 def _then(acquire: tuple[()] | tuple[bool] | tuple[bool, float],
           deadline: float | None) -> tuple[()] | tuple[bool] | tuple[bool, float]:
@@ -457,7 +454,7 @@ def _read_locked(reader: Connection, rlock: Lock, turn: ReadTurn,
         held.extend(starmap(turn.lock.acquire, (acquire,)))
         if not held[0]:
             return None
-        held.extend(starmap(turn.kept.pop, _KEPT))
+        held.extend(starmap(turn.kept.pop, turn.KEPT))
         if not held[1]:
             held.extend(starmap(rlock.acquire, (_then(acquire, deadline),)))
         return reader.read_frame(deadline) if held[-1] else None
@@ -564,17 +561,11 @@ class SimpleQueue(_SimpleQueueBase):
         Sends from one loop keep their order.  Await it before a :meth:`put` in the
         same thread: that ``put`` would wait for the write lock this loop holds."""
         from . import _aio  # asyncio loads with the first awaitable call
-        try:
-            data, ctx = _reductions.dumps(obj)
-        except OSError as e:  # no fd or shared memory for a segment
-            raise send_error(e, "put() failed")
+        data, ctx = dumps_to_send(obj, "put() failed")
         await _aio.send(self._writer, data, ctx, self._wlock, "put() failed")
 
     def put(self, obj: object) -> None:
-        try:
-            data, ctx = _reductions.dumps(obj)
-        except OSError as e:  # no fd or shared memory for a segment
-            raise send_error(e, "put() failed")
+        data, ctx = dumps_to_send(obj, "put() failed")
         try:
             if self._wlock is None:
                 self._writer.send_frame(data, ctx.wire_fds())

@@ -1,7 +1,9 @@
 """Process targets for the tests (importable by spawned children)."""
 
 import os
+import pickle
 import signal
+import struct
 import sys
 import time
 
@@ -302,3 +304,14 @@ ForkserverQueueHolder = _queue_holder(smp.get_context("forkserver").Process,
 def array_of(i: int, n: int = 16384):
     """A result big enough to cross through a segment (128 KiB)."""
     return np.full(n, i, dtype=np.float64)
+
+
+def stall_mid_frame(q, queue_counted=True):
+    """Write a frame on ``q``'s socket by hand up to the middle of its payload, as a
+    writer that stalls there; returns the rest, to send later.  ``queue_counted``: take
+    the queue's semaphore as ``put()`` would (a SimpleQueue has none)."""
+    payload = pickle.dumps(("late", bytes(200_000)))
+    if queue_counted:
+        q._sem.acquire()
+    q._writer._sock.sendall(struct.pack("!i", len(payload)) + payload[:1000])
+    return payload[1000:]

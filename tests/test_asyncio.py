@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pickle
-import struct
 import threading
 from queue import Empty, Full
 
@@ -23,6 +21,7 @@ import shmtensor.multiprocessing as smp
 from shmtensor import _aio
 
 from conftest import join_all
+from helpers import stall_mid_frame
 
 JOIN = 60  # seconds: only reached when something deadlocks
 N = 50
@@ -141,10 +140,7 @@ def test_a_cancelled_awaiter_then_a_synchronous_get_gets_the_next_message():
 
 def test_an_awaiter_cancelled_mid_frame_leaves_the_frame_for_the_next_get():
     q = smp.Queue()
-    sock = q._writer._sock
-    payload = pickle.dumps(("late", bytes(200_000)))
-    q._sem.acquire()  # as put() would, for the frame written by hand
-    sock.sendall(struct.pack("!i", len(payload)) + payload[:1000])  # the writer stalls
+    rest = stall_mid_frame(q)
 
     async def main():
         task = asyncio.create_task(q.get_async())
@@ -158,7 +154,7 @@ def test_an_awaiter_cancelled_mid_frame_leaves_the_frame_for_the_next_get():
 
     try:
         run(main())
-        sock.sendall(payload[1000:])
+        q._writer._sock.sendall(rest)
         assert q.get(timeout=JOIN)[0] == "late"  # the synchronous get resumes the frame
         q.put("after")
         assert run(q.get_async()) == "after"
@@ -169,14 +165,11 @@ def test_an_awaiter_cancelled_mid_frame_leaves_the_frame_for_the_next_get():
 
 def test_get_async_with_a_timeout_bounds_the_whole_frame_and_the_next_get_resumes_it():
     q = smp.Queue()
-    sock = q._writer._sock
-    payload = pickle.dumps(("late", bytes(200_000)))
-    q._sem.acquire()
-    sock.sendall(struct.pack("!i", len(payload)) + payload[:1000])
+    rest = stall_mid_frame(q)
     try:
         with pytest.raises(Empty):
             run(q.get_async(timeout=0.2))
-        sock.sendall(payload[1000:])
+        q._writer._sock.sendall(rest)
         assert run(q.get_async())[0] == "late"
     finally:
         q.close()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dis
 import os
-import pickle
 import socket
 import struct
 import sys
@@ -28,6 +27,8 @@ import shmtensor
 import shmtensor.multiprocessing as smp
 from shmtensor import _connection, _queues, _reductions, _segments, _wire
 from shmtensor.ipc import ofd_lease, posix_shm, scm_rights
+
+from helpers import stall_mid_frame
 
 JOIN = 60
 # the channel's receive and the load: unpickling, holds, mappings and the receive cache
@@ -378,15 +379,11 @@ def test_a_peer_that_dies_mid_frame_gives_end_of_file_and_its_fds_are_closed():
 
 def test_get_with_a_timeout_bounds_the_whole_frame_and_the_next_get_resumes_it():
     q = smp.Queue()
-    sock = q._writer._sock
-    payload = pickle.dumps(("late", bytes(200_000)))
-    header = struct.pack("!i", len(payload))
-    q._sem.acquire()  # as put() would, for the frame written by hand
-    sock.sendall(header + payload[:1000])  # the writer stalls mid-frame
+    rest = stall_mid_frame(q)
     try:
         with pytest.raises(Empty):
             q.get(timeout=0.2)
-        sock.sendall(payload[1000:])
+        q._writer._sock.sendall(rest)
         assert q.get(timeout=JOIN)[0] == "late"
         q.put("after")
         assert q.get(timeout=JOIN) == "after"
@@ -421,20 +418,12 @@ def _second_consumer(ctx, lc, q):
         r.close()
 
 
-def _stall_mid_frame(q):
-    """Write a frame by hand up to the middle of its payload; the rest, to send later."""
-    payload = pickle.dumps(("late", bytes(200_000)))
-    q._sem.acquire()  # as put() would, for the frame written by hand
-    q._writer._sock.sendall(struct.pack("!i", len(payload)) + payload[:1000])
-    return payload[1000:]
-
-
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_a_frame_part_read_by_one_consumer_keeps_the_others_out_until_it_is_whole(lc, method):
     ctx = smp.get_context(method)
     q = ctx.Queue()
     try:
-        rest = _stall_mid_frame(q)
+        rest = stall_mid_frame(q)
         with pytest.raises(Empty):
             q.get(timeout=0.2)  # this process has read part of the frame
         q._writer._sock.sendall(rest)
@@ -455,14 +444,12 @@ def test_a_thread_waiting_to_get_resumes_a_frame_another_thread_part_read(simple
     got: list = []
     try:
         if simple:
-            payload = pickle.dumps(("late", bytes(200_000)))
-            q._writer._sock.sendall(struct.pack("!i", len(payload)) + payload[:1000])
-            rest = payload[1000:]
+            rest = stall_mid_frame(q, queue_counted=False)
             # a SimpleQueue's get has no timeout: an exception mid-frame leaves it part-read
             with pytest.raises(TimeoutError):
                 _read_locked_until(q, 0.2)
         else:
-            rest = _stall_mid_frame(q)
+            rest = stall_mid_frame(q)
             with pytest.raises(Empty):
                 q.get(timeout=0.2)
         t = threading.Thread(target=lambda: got.append(q.get()))
