@@ -9,12 +9,19 @@ consumer, and the producers' voluntary context switches per item, for:
 * shmtensor's ``Queue(64)`` with ``None`` and with a shared 1 MB array (the former fan-in row);
 * a bounded ring of 32-byte records in shared memory, counted by two POSIX semaphores
   (a futex: no syscall unless someone waits) and written under one lock: the floor of
-  any channel that makes no syscall per item, with nothing carried but the record.
+  any channel that makes no syscall per item, with nothing carried but the record;
+* one ``SOCK_SEQPACKET`` datagram per item (1 KB, with 0, 1 or 2 memfds as SCM_RIGHTS, the
+  receiver closing them), bounded by a semaphore as ``Queue(64)`` is or unbounded: the
+  floor of a datagram channel (no lock: a datagram is sent and taken whole), and what
+  each fd per message costs.
 """
 
 from __future__ import annotations
 
+import array
 import multiprocessing
+import os
+import socket
 import struct
 import sys
 import time
@@ -60,6 +67,29 @@ def _ring_producer(name: str, free, items, lock, ready, go, k: int) -> None:
     shm.close()
 
 
+def _datagram_producer(sock: socket.socket, fds: int, bounded, ready, go) -> None:
+    files = [os.memfd_create("floor") for _ in range(fds)]
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", files))] if fds else []
+    data, send = bytes(1024), sock.sendmsg
+    ready.put(None)
+    go.wait()
+    for _ in range(COUNT):
+        if bounded is not None:
+            bounded.acquire()
+        send([data], anc)
+
+
+def _datagram_consumer(sock: socket.socket, n: int, fds: int, bounded) -> None:
+    space, recv, close = socket.CMSG_SPACE(4 * fds) if fds else 0, sock.recvmsg, os.close
+    for _ in range(n):
+        _, anc, _, _ = recv(2048, space)
+        for _, _, raw in anc:
+            for fd in array.array("i", raw):
+                close(fd)
+        if bounded is not None:
+            bounded.release()
+
+
 def _cpu(procs) -> tuple[float, int]:
     times = [p.cpu_times() for p in procs]
     switches = [p.num_ctx_switches().voluntary for p in procs]
@@ -70,8 +100,14 @@ def session(channel: str, kind: str) -> dict:
     """One fan-in: items/s, CPU per item of producers and consumer, switches per item."""
     ctx = (smp if channel == "shmtensor" else multiprocessing).get_context("spawn")
     ready, go = ctx.SimpleQueue(), ctx.Event()
-    shm = None
-    if channel == "ring":
+    shm = pair = None
+    if channel == "datagram":
+        fds, bounded = int(kind.split()[3]), not kind.endswith("unbounded")
+        pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sem = ctx.Semaphore(CAPACITY) if bounded else None
+        procs = [ctx.Process(target=_datagram_producer, args=(pair[0], fds, sem, ready, go))
+                 for _ in range(PRODUCERS)]
+    elif channel == "ring":
         shm = shared_memory.SharedMemory(create=True, size=16 + CAPACITY * _RECORD.size)
         free, items, lock = ctx.Semaphore(CAPACITY), ctx.Semaphore(0), ctx.Lock()
         procs = [ctx.Process(target=_ring_producer,
@@ -93,7 +129,9 @@ def session(channel: str, kind: str) -> dict:
         n = PRODUCERS * COUNT
         go.set()
         t0 = time.perf_counter()
-        if shm is not None:
+        if pair is not None:
+            _datagram_consumer(pair[1], n, fds, sem)
+        elif shm is not None:
             buf, take, give = shm.buf, items.acquire, free.release
             for j in range(n):
                 take()
@@ -111,6 +149,8 @@ def session(channel: str, kind: str) -> dict:
         if shm is not None:
             shm.close()
             shm.unlink()
+        for sock in pair or ():
+            sock.close()
         st.empty_cache()
     check_exit_codes(procs, "producers")
     return {"rate": n / elapsed, "producers_us": (c1 - c0) / n * 1e6,
@@ -119,7 +159,10 @@ def session(channel: str, kind: str) -> dict:
 
 
 CASES = [("stdlib", "1 KB plain"), ("stdlib", "None"), ("shmtensor", "None"),
-         ("shmtensor", "1 MB shared"), ("ring", "32-byte record")]
+         ("shmtensor", "1 MB shared"), ("ring", "32-byte record"),
+         ("datagram", "1 KB + 0 fds, bounded"), ("datagram", "1 KB + 1 fds, bounded"),
+         ("datagram", "1 KB + 2 fds, bounded"), ("datagram", "1 KB + 0 fds, unbounded"),
+         ("datagram", "1 KB + 1 fds, unbounded"), ("datagram", "1 KB + 2 fds, unbounded")]
 
 
 def main(rounds: int) -> None:
@@ -128,7 +171,7 @@ def main(rounds: int) -> None:
     for r in range(rounds):
         for channel, kind in CASES:
             s = session(channel, kind)
-            print(f"round {r + 1}  {channel:<10} {kind:<15} {s['rate']:9.0f} items/s   CPU per "
+            print(f"round {r + 1}  {channel:<10} {kind:<24} {s['rate']:9.0f} items/s   CPU per "
                   f"item: producers {s['producers_us']:5.1f} us, consumer "
                   f"{s['consumer_us']:5.1f} us; producer switches per item "
                   f"{s['switches']:.2f}", flush=True)
