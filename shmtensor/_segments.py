@@ -808,8 +808,8 @@ def _attached(key: str, kind: str, size: int, table_id: str, slot: int,
     except BaseException:
         close_fds(opened)
         if seg is not None and _by_key.get(key) is not seg:
-            # never published: unmapped (closing a kept fd)
-            _cache_drop(seg)
+            # never published: unmapped (closing a kept fd); out of the receive cache as
+            # close() ends, so a close cut short leaves it there for eviction to finish
             if not took:
                 seg.fd = None
             seg.close()
@@ -830,6 +830,11 @@ def new_segment(key: str, kind: str, size: int, table_id: str, slot: int, own: b
     seg.slab = False
     seg.file = None
     seg.mm = None
+    if _sweeper is None:  # settles what dies while anything is mapped (see _sweep)
+        # before anything is mapped: an exception starting it (a signal handler's, no
+        # thread to be had) leaves nothing made, where one after the mapping would leave
+        # it unowned, mapped for good (the caller has no segment yet to close)
+        _ensure_sweeper()
     mapped: list[posix_shm.Mapping] = []
     try:
         # the mapping is in ``mapped`` before it maps, so an exception (a signal
@@ -845,8 +850,6 @@ def new_segment(key: str, kind: str, size: int, table_id: str, slot: int, own: b
         for m in mapped:  # not yet the segment's (closed already if it was)
             m.close()
         raise
-    if _sweeper is None:  # settles what dies while anything is mapped (see _sweep)
-        _ensure_sweeper()
     return seg
 
 

@@ -1,0 +1,163 @@
+"""A receive interrupted where a steady stream from one producer never is (issue 26).
+
+tests/test_receive_atomic.py raises at every point of a receive, but its receives all find
+the same state: the sweeper thread running, the segment mapped already or mapped anew
+into a running process.  The soak (``SHMTENSOR_SOAK_LOADS=1``) reaches states that stream
+does not, and left a dead producer's segment mapped, or a peer's lease description open:
+
+* the sweeper stopped, as a fork leaves it (``_segments._stop_sweeper_before_fork``) in
+  a process that forks producers as it receives: the receive that maps a segment then
+  starts it again, and an exception there left the new mapping owned by nobody;
+* an anchor dying inside a receive (a reference cycle a GC pass collects there, an
+  array of a discarded message): its finalizer runs Python code, where a signal
+  handler's exception cut the release of its hold short.
+
+Here each is raised at every point in turn (a function's entry included: opcode trace
+events leave it out), and nothing may be left: no mapping, no fd, no hold on the
+producer's segments.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import shmtensor
+import shmtensor.multiprocessing as smp
+from shmtensor import _segments
+
+from test_receive_atomic import Inject, Injected, _inside_load
+
+JOIN = 60
+SIZE = 1 << 18  # int64s: a 2 MiB array, a segment of its own
+
+
+class InjectEntries(Inject):
+    """:class:`Inject`, and a function's entry (its ``RESUME``, which checks for pending
+    handlers as it begins) counted as a point too: the ``call`` trace event stands for it
+    (a generator's resumption, which does not check, aside)."""
+
+    _RESUMED = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+    def _global(self, frame, event, arg):
+        tracer = super()._global(frame, event, arg)
+        if (tracer is not None and not self.fired and sys.exc_info()[0] is None
+                and not frame.f_code.co_flags & self._RESUMED):
+            self.left -= 1
+            if self.left == 0:
+                self.fired = True
+                self.where = (f"{os.path.basename(frame.f_code.co_filename)}:"
+                              f"{frame.f_code.co_name} entry")
+                self.in_load = _inside_load(frame)
+                raise Injected(f"{frame.f_code.co_name} entry")
+        return tracer
+
+
+def _produce(q, n, done):
+    for i in range(n):
+        q.put((i, np.full(SIZE, i, np.int64)))
+    q.close()
+    q.join_thread()
+    done.wait(JOIN)
+    shmtensor.empty_cache()
+    info = shmtensor.debug_info()
+    os._exit(0 if info["segments_own_live"] + info["segments_own_idle"] == 0 else 3)
+
+
+def _mapped() -> list[str]:
+    """The segments of other processes this process maps (its own lease table aside)."""
+    with open("/proc/self/maps") as f:
+        return sorted({line.split(None, 5)[-1].strip() for line in f
+                       if "shmtensor_" in line and "_lease" not in line})
+
+
+def _state() -> tuple[list[str], set[tuple[str, str]]]:
+    gc.collect()
+    shmtensor.empty_cache()
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+        except OSError:  # the listing's own fd
+            pass
+    return _mapped(), fds
+
+
+@pytest.fixture(params=["file_descriptor", "file_system"])
+def strategy(request):
+    prev = smp.get_sharing_strategy()
+    smp.set_sharing_strategy(request.param)
+    yield request.param
+    smp.set_sharing_strategy(prev)
+
+
+def test_a_receive_that_restarts_the_sweeper_leaves_nothing_whatever_it_is_interrupted_at(
+        lc, strategy):
+    ctx = smp.get_context("fork")
+    q = ctx.Queue(maxsize=2)  # a few 2 MiB segments in flight, reused as they come back
+    n = 1200
+    done = ctx.Event()
+    p = ctx.Process(target=_produce, args=(q, n, done))
+    p.start()
+    lc.check_pid(p.pid)
+    inject = InjectEntries()
+    i = 0
+
+    def prepare():
+        shmtensor.empty_cache()  # the next segment is mapped anew ...
+        _segments._stop_sweeper_before_fork()  # ... with the sweeper stopped, as a fork leaves it
+
+    def receive():
+        prepare()
+        return q.get(timeout=JOIN)
+
+    def check(got, where=None):
+        seq, a = got
+        assert seq == i and (a == i).all(), f"message {i} expected, {seq} arrived ({where})"
+
+    try:
+        for _ in range(3):  # lease tables and the like, made once, before counting
+            check(receive())
+            i += 1
+        base = _state()
+        k, quiet = 1, 0
+        while quiet < 3:  # the receive has run out of points to interrupt
+            assert i < n - 2, "not enough messages for every point"
+            prepare()
+            inject.arm(k)
+            try:
+                got = q.get(timeout=JOIN)
+            except Injected:
+                got = None
+            finally:
+                fired = inject.disarm()
+            if got is None:  # interrupted: the next receive delivers the message ...
+                if inject.in_load:  # ... unless it was being unpickled: then discarded
+                    i += 1
+                got = receive()
+            check(got, inject.where)
+            del got
+            now = _state()
+            assert now == base, (f"left after an interrupt at {inject.where} (message {i}): "
+                                 f"mapped {now[0]}, fds {now[1] ^ base[1]}")
+            quiet = 0 if fired else quiet + 1
+            i += 1
+            k += 1
+        assert k > 50, f"only {k} points were interrupted"
+        while i < n:
+            check(q.get(timeout=JOIN))
+            i += 1
+    finally:
+        done.set()
+        p.join(JOIN)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+        q.close()
+        q.join_thread()
+    assert p.exitcode == 0, "the producer's segments are still held (exit code 3)"
