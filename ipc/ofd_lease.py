@@ -44,6 +44,7 @@ import struct
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from itertools import chain, starmap
 from typing import TYPE_CHECKING, TypeVar
 
 from .posix_shm import PREFIX, fd_limit_error, process_tag
@@ -250,14 +251,19 @@ def _holding(table_id: str) -> _Holding:
 
 
 def hold(table_id: str, slot: int, fd_source: int | None = None,
-         deferred: Deferred | None = None) -> None:
+         deferred: Deferred | None = None, token: list[int] | None = None) -> None:
     """Hold ``slot`` of ``table_id`` through this process's description of its file (made
     from ``fd_source``, a description of that file, if this process has none yet).
 
     ``deferred``: the caller is loading a message whose in-flight description
     ``fd_source`` covers the slot until the load ends; a new hold is then only counted, and
-    ``(table_id, slot, fd_source)`` appended, for :func:`establish` at the end of the load."""
+    ``(table_id, slot, fd_source)`` appended, for :func:`establish` at the end of the load.
+
+    ``token``: an empty list, which gets an entry in the step that counts the hold, for
+    :func:`release` to let go of it exactly once."""
     entry = (table_id, slot, fd_source)  # made outside h.lock: no GC pass in there for it
+    if token is None:
+        token = []
     while True:
         h = _holdings.get(table_id)
         if h is None:
@@ -269,7 +275,9 @@ def hold(table_id: str, slot: int, fd_source: int | None = None,
                 continue
             fd = h.fd_for(slot, fd_source)
             n = h.counts.get(slot, 0)
-            h.counts[slot] = n + 1  # first: a release finds the hold, however far it got
+            # first, counted and recorded in one step: a release finds the hold, however
+            # far it got
+            h.counts[slot] = n + 1; token.append(slot)  # noqa: E702
             if n == 0:
                 try:
                     if deferred is None or fd_source is None:
@@ -279,9 +287,16 @@ def hold(table_id: str, slot: int, fd_source: int | None = None,
                         # fd_source is an int here: ``entry`` was made before the test
                         deferred.append(entry)  # type: ignore[arg-type]
                 except OSError:  # no lock to be had: nothing held
-                    h.counts.pop(slot, None)
+                    _uncount(h.counts, slot, token)
                     raise
             return
+
+
+def _uncount(counts: dict[int, int], slot: int, token: list[int]) -> None:
+    """Take back a hold counted on ``slot`` that came to nothing (caller holds the
+    holding's lock): its count and ``token`` go in one step (C from the first to the last:
+    no signal handler runs in between)."""
+    _consume(chain(map(counts.pop, (slot,), (None,)), starmap(token.clear, ((),))))
 
 
 def _own_sole(source: int, slot: int) -> int:
@@ -437,14 +452,18 @@ def establish(table_id: str, slot: int, inflight: int | list[int], sole: bool,
         return keep
 
 
-def hold_sole(table_id: str, slot: int, inflight: int | list[int], i: int = -1) -> bool:
+def hold_sole(table_id: str, slot: int, inflight: int | list[int], i: int = -1,
+              token: list[int] | None = None) -> bool:
     """:func:`hold` + :func:`establish` in one step, for a loaded message whose in-flight
     description ``inflight`` covers ``slot`` alone (see ``shmtensor.cuda._vmm``'s lane).
     Returns True when ``inflight`` became the hold (the caller must then not close it).
     ``inflight`` may be the message's fd list and ``i`` its index there: a description
     kept as the hold then leaves the list (-1) in the same step as the holding takes it,
-    so an exception raised anywhere (a signal handler's) never leaves it owned twice."""
+    so an exception raised anywhere (a signal handler's) never leaves it owned twice.
+    ``token``: as for :func:`hold`."""
     budget = _budget[0] if _budget else kept_budget()
+    if token is None:
+        token = []
     while True:
         h = _holdings.get(table_id) or _holding(table_id)
         with h.lock:
@@ -452,13 +471,14 @@ def hold_sole(table_id: str, slot: int, inflight: int | list[int], i: int = -1) 
                 continue
             counts = h.counts
             n = counts.get(slot, 0)
-            counts[slot] = n + 1  # first: a release finds the hold, however far it got
+            # first, counted and recorded in one step: see hold()
+            counts[slot] = n + 1; token.append(slot)  # noqa: E702
             if n:
                 return False
             try:
                 return _make_real(h, slot, inflight, True, budget, i)
             except OSError:  # no fd or lock to be had: nothing held
-                counts.pop(slot, None)
+                _uncount(counts, slot, token)
                 raise
 
 
@@ -483,9 +503,49 @@ def _make_real(h: _Holding, slot: int, inflight: int | list[int], sole: bool, bu
     return False
 
 
-def release(table_id: str, slot: int) -> None:
-    """Let go of one hold on ``slot`` of ``table_id`` (the last one drops the lock)."""
-    release_many(table_id, (slot,))
+def release(table_id: str, slot: int, token: list[int] | None = None) -> None:
+    """Let go of one hold on ``slot`` of ``table_id`` (the last one drops the lock).
+
+    ``token``: the list :func:`hold` (or :func:`hold_sole`) recorded the hold in.  The hold
+    is then let go of once, however often this is called: only while ``token`` has its
+    entry, and the entry goes in the step that lets go (C from the first change to the
+    last, so no signal handler runs in between).  A caller cut short by an exception (a
+    signal handler's, in a finalizer) may call again: it finishes the release, or finds
+    it done, and never takes a later hold on the slot for this one."""
+    global _kept
+    if token is None:
+        release_many(table_id, (slot,))
+        return
+    h = _holdings.get(table_id)
+    if h is None:  # nothing was held through it (forgotten only once nothing is)
+        return
+    with h.lock:
+        if not token:
+            return
+        counts, by = h.counts, h.by
+        n = counts.get(slot, 0)
+        if n > 1:
+            counts[slot] = n - 1; token.clear()  # noqa: E702 (one step: counted down once)
+            return
+        # What physically holds it (a lock through the holding's description, a kept
+        # description, or nothing while a load defers it) goes with the count and the
+        # token, in one run of C (the steps are made first: building them runs nothing).
+        done = chain(map(counts.pop, (slot,), (None,)), starmap(token.clear, ((),)))
+        fd = by.get(slot)
+        try:
+            if fd == -1:
+                unlock = _FLOCK.pack(fcntl.F_UNLCK, 0, slot, 1, 0)
+                _consume(chain(starmap(fcntl.fcntl, ((h.fds[slot % SHARDS], _SETLK, unlock),)),
+                               map(by.pop, (slot,)), done))
+            elif fd is not None:
+                steps = chain(map(os.close, map(by.pop, (slot,))), done)
+                # one line: the kept count goes down with the close, and no handler runs
+                # in between (nor does another thread: it is the GIL's)
+                _kept -= 1; _consume(steps)  # noqa: E702
+            else:
+                _consume(done)
+        except OSError:  # fd closed at interpreter shutdown: dying releases anyway
+            pass
 
 
 def release_many(table_id: str, slots: Iterable[int]) -> None:

@@ -28,9 +28,12 @@ This module owns every piece of segment state, under one lock (``_lock``):
 Nothing here scans all segments on a release: the idle lists are looked at from their
 oldest end, a bounded number at a time, and not again before something can be due.
 
-**A dying anchor takes no module lock.**  Its finalizer releases the lease (the lease
-table's lock is held only inside :mod:`shmtensor.ipc.ofd_lease`, which waits on no other
-lock) and puts the segment on ``_died``, a ``queue.SimpleQueue`` (safe in finalizers).
+**A dying anchor takes no module lock.**  It is queued on ``_died``, a
+``queue.SimpleQueue`` (safe in finalizers), by its weak reference's callback, the queue's
+C ``put``: no Python code runs, so no signal handler's exception can lose it.  A second
+weak reference's finalizer releases the lease at once (the lease table's lock is held
+only inside :mod:`shmtensor.ipc.ofd_lease`, which waits on no other lock); the hold's
+token says whether that release is done, so one an exception cut short is finished later.
 The next call that takes ``_lock`` moves what died into the idle lists (:func:`_settle`);
 the sweeper thread does it too while anything is mapped, so a quiet process still gets
 its idle segments trimmed; it is stopped before a fork and started again after it in the
@@ -120,9 +123,9 @@ class Segment:
                     # watched before the hold is taken: an anchor dropped on the way (an
                     # exception, a signal handler's) releases however much of it was taken
                     a = self._buffer()
-                    self._watch(a)
+                    token = self._watch(a)
                     try:
-                        ofd_lease.hold(self.table_id, self.slot, lease_fd, deferred)
+                        ofd_lease.hold(self.table_id, self.slot, lease_fd, deferred, token)
                     except OSError:  # no lock or fd: nothing held, and nothing to release
                         self._anchor = None
                         raise
@@ -142,9 +145,9 @@ class Segment:
             if a is not None:
                 return a, False
             a = self._buffer()
-            self._watch(a)  # first: see anchor()
+            token = self._watch(a)  # first: see anchor()
             try:
-                return a, ofd_lease.hold_sole(self.table_id, self.slot, inflight)
+                return a, ofd_lease.hold_sole(self.table_id, self.slot, inflight, -1, token)
             except OSError:  # no lock or fd: nothing held, and nothing to release
                 self._anchor = None
                 raise
@@ -156,15 +159,22 @@ class Segment:
         return np.frombuffer(self.mm.buffer, np.uint8,  # type: ignore[call-overload, no-any-return]
                              count=self.size)
 
-    def _watch(self, a: np.ndarray) -> None:
-        """Make ``a`` the anchor, its hold taken (caller holds ``_lock``)."""
-        ref = _AnchorRef(a, _anchor_ref_died)
-        ref.seg = self
+    def _watch(self, a: np.ndarray) -> list[int]:
+        """Make ``a`` the anchor (caller holds ``_lock``); returns the token its hold is to
+        be recorded in (``ofd_lease.hold``'s), by which its death releases it once."""
+        token: list[int] = []
+        prompt = _PromptRelease(a, _anchor_ref_died)
+        prompt.seg, prompt.token = self, token  # one step: no handler runs in between
+        # made last, so its callback (C: queued, whatever a signal handler raises) runs
+        # first; either order is correct
+        ref = _AnchorRef(a, _died.put)
+        ref.seg, ref.token, ref.prompt = self, token, prompt
         self._anchor = ref
         if self.own:
             _own_idle_drop(self)
         else:
             _cache_drop(self)
+        return token
 
     def alive(self) -> bool:
         return self._anchor is not None and self._anchor() is not None
@@ -314,17 +324,20 @@ def _own_idle_drop(seg: Segment) -> None:
         _own_idle_bytes -= seg.size
 
 
-_died: queue.SimpleQueue[Segment] = queue.SimpleQueue()  # segments whose anchor died, to settle
-_settling: list[Segment] = []  # one taken off _died and not yet settled (see _settle)
-
-
 class _AnchorRef(weakref.ref[np.ndarray]):
-    """How a segment knows its live anchor; the anchor's death calls back
-    :func:`_anchor_ref_died`.  Lighter than ``weakref.finalize`` on a path taken once per
-    received message; the segment keeps it (so the callback runs), and it the segment."""
+    """How a segment knows its live anchor.  Its callback is ``_died.put``, a C function:
+    the anchor's death queues it for :func:`_settle` with no Python code run, so no signal
+    handler's exception can lose it (one raised in a Python finalizer is reported as
+    unraisable and cuts the finalizer short, even before its first line).  ``prompt``
+    releases the hold at once (:func:`_anchor_ref_died`); ``token`` says whether that is
+    done (see ``ofd_lease.release``), so :func:`_settle` finishes one cut short.  Lighter
+    than ``weakref.finalize`` on a path taken once per received message; the segment keeps
+    it (so the callbacks run), and it the segment."""
 
-    __slots__ = ("seg",)
+    __slots__ = ("seg", "token", "prompt")
     seg: Segment
+    token: list[int]  # the hold's, from ofd_lease.hold: emptied as it is released
+    prompt: _PromptRelease
     # Set at exit: anchors dying after that release nothing (the kernel drops the locks
     # with the process).  A class attribute, as everything the callback reaches is bound
     # to it: module globals are None by the time a module's dict is cleared at shutdown,
@@ -332,25 +345,38 @@ class _AnchorRef(weakref.ref[np.ndarray]):
     exiting = False
 
 
-def _anchor_ref_died(ref: _AnchorRef, release: Callable[[str, int], None] = ofd_lease.release,
-                     now: Callable[[], float] = time.monotonic,
-                     died: Callable[[Segment], None] = _died.put) -> None:
+class _PromptRelease(_AnchorRef):
+    """The second weak reference to an anchor: its callback releases the hold as the
+    anchor dies (:func:`_anchor_ref_died`)."""
+
+    __slots__ = ()
+
+
+_died: queue.SimpleQueue[_AnchorRef] = queue.SimpleQueue()  # anchors that died, to settle
+_settling: list[_AnchorRef] = []  # one taken off _died and not yet settled (see _settle)
+
+
+def _anchor_ref_died(ref: _PromptRelease,
+                     release: Callable[[str, int, list[int]], None] = ofd_lease.release,
+                     now: Callable[[], float] = time.monotonic) -> None:
     """A finalizer: release the lease now (other processes may be waiting to reuse the
-    segment) and leave the idle bookkeeping to the next call that takes ``_lock``.  Queued
-    first (one C call): an exception a signal handler raises in here (CPython reports it
-    as unraisable) can then cut the release short, never the segment's way back to the
-    idle lists."""
+    segment); the idle bookkeeping is left to the next call that takes ``_lock`` (the
+    anchor was queued on ``_died`` from C).  An exception a signal handler raises in here
+    (CPython reports it as unraisable) cuts the release short, anywhere: the hold's token
+    is then still there, and :func:`_settle` releases it."""
     if type(ref).exiting:
         return
-    seg = ref.seg
-    died(seg)
-    seg.idle_since = now()
-    release(seg.table_id, seg.slot)
+    # unset only if an exception cut _watch short: then nothing was held through it
+    token = getattr(ref, "token", None)
+    if token:
+        seg = ref.seg
+        seg.idle_since = now()
+        release(seg.table_id, seg.slot, token)
 
 
 def _settle() -> bool:
-    """Move the segments whose anchor died since into the idle lists (caller holds
-    ``_lock``); True when any went idle."""
+    """Move the segments whose anchor died since into the idle lists, releasing any hold
+    a finalizer cut short left (caller holds ``_lock``); True when any went idle."""
     went = False
     settling = _settling
     while settling or not _died.empty():  # only callers holding _lock take from it
@@ -359,7 +385,15 @@ def _settle() -> bool:
             # handler's) never drops a segment between the queue and the idle lists, and
             # the next call settles what one left here
             settling.extend(starmap(_died.get_nowait, ((),)))
-        seg = settling[-1]
+        ref = settling[-1]
+        # unset only if an exception cut _watch short: then nothing was held through it
+        if not hasattr(ref, "seg"):
+            settling.pop()
+            continue
+        seg = ref.seg
+        if ref.token:  # its prompt release was cut short, or has yet to run: done here, once
+            seg.idle_since = time.monotonic()
+            ofd_lease.release(seg.table_id, seg.slot, ref.token)
         if _by_key.get(seg.key) is not seg or seg.alive() or seg.mm is None:
             settling.pop()
             continue

@@ -30,6 +30,7 @@ import pytest
 import shmtensor
 import shmtensor.multiprocessing as smp
 from shmtensor import _segments
+from shmtensor.ipc import ofd_lease
 
 from test_receive_atomic import Inject, Injected, _inside_load
 
@@ -153,6 +154,63 @@ def test_a_receive_that_restarts_the_sweeper_leaves_nothing_whatever_it_is_inter
             check(q.get(timeout=JOIN))
             i += 1
     finally:
+        done.set()
+        p.join(JOIN)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+        q.close()
+        q.join_thread()
+    assert p.exitcode == 0, "the producer's segments are still held (exit code 3)"
+
+
+def test_an_anchor_dying_whatever_its_finalizer_is_interrupted_at_is_let_go_of(lc, strategy):
+    ctx = smp.get_context("fork")
+    q = ctx.Queue(maxsize=2)
+    n = 120
+    done = ctx.Event()
+    p = ctx.Process(target=_produce, args=(q, n, done))
+    p.start()
+    lc.check_pid(p.pid)
+    inject = InjectEntries()
+    ignored: list = []
+    hook = sys.unraisablehook
+    i = 0
+    try:
+        for _ in range(3):  # lease tables and the like, made once, before counting
+            assert q.get(timeout=JOIN)[0] == i
+            i += 1
+        base = _state()
+        kept = ofd_lease._kept  # descriptions kept as holds: counted as they are let go of
+        k, quiet = 1, 0
+        # what the finalizer raised, which CPython drops (its name only: the exception
+        # itself would keep the finalizer's frame, and this one, alive)
+        sys.unraisablehook = lambda u: ignored.append(type(u.exc_value).__name__)
+        while quiet < 3:  # the finalizer has run out of points to interrupt
+            assert i < n, "not enough messages for every point"
+            seq, a = q.get(timeout=JOIN)
+            assert seq == i
+            inject.arm(k)
+            try:
+                del a  # the anchor dies: its finalizers run here
+            finally:
+                fired = inject.disarm()
+            now = _state()  # settles what died, finishing a release cut short
+            assert now == base, (f"left after an interrupt at {inject.where} (message {i}): "
+                                 f"mapped {now[0]}, fds {now[1] ^ base[1]}")
+            assert ofd_lease._kept == kept, f"kept descriptions miscounted at {inject.where}"
+            assert not fired or ignored, f"nothing raised at {inject.where}"
+            quiet = 0 if fired else quiet + 1
+            i += 1
+            k += 1
+        assert k > 5, f"only {k} points were interrupted"
+        assert set(ignored) == {"Injected"}
+        while i < n:
+            assert q.get(timeout=JOIN)[0] == i
+            i += 1
+        shmtensor.empty_cache()
+    finally:
+        sys.unraisablehook = hook
         done.set()
         p.join(JOIN)
         if p.is_alive():

@@ -20,9 +20,9 @@ checker).
 Left out by default: interrupts inside the unpickling (``SHMTENSOR_SOAK_LOADS=1`` puts
 them in).  Raised there, the message is discarded by design (its fds closed; then lost
 acknowledged messages may be as many as were discarded, never more), and nothing of it
-may be left behind; tests/test_receive_atomic.py raises at every point of a load of both
-strategies, but this soak still finds, rarely, a dead producer's slab left mapped or a
-peer's lease description left open.
+may be left behind (tests/test_receive_atomic.py raises at every point of a load of both
+strategies; tests/test_receive_atomic_states.py in the states this soak reaches and a
+steady stream does not: the sweeper stopped by a fork, an anchor dying inside a get).
 """
 
 from __future__ import annotations
