@@ -12,15 +12,13 @@ does not, and left a dead producer's segment mapped, or a peer's lease descripti
   array of a discarded message): its finalizer runs Python code, where a signal
   handler's exception cut the release of its hold short.
 
-Here each is raised at every point in turn (a function's entry included: opcode trace
-events leave it out), and nothing may be left: no mapping, no fd, no hold on the
+Here each is raised at every point in turn, and nothing may be left: no mapping, no fd, no hold on the
 producer's segments.
 """
 
 from __future__ import annotations
 
 import gc
-import inspect
 import os
 import sys
 
@@ -32,31 +30,10 @@ import shmtensor.multiprocessing as smp
 from shmtensor import _segments
 from shmtensor.ipc import ofd_lease
 
-from test_receive_atomic import Inject, Injected, _inside_load
+from test_receive_atomic import Inject, Injected
 
 JOIN = 60
 SIZE = 1 << 18  # int64s: a 2 MiB array, a segment of its own
-
-
-class InjectEntries(Inject):
-    """:class:`Inject`, and a function's entry (its ``RESUME``, which checks for pending
-    handlers as it begins) counted as a point too: the ``call`` trace event stands for it
-    (a generator's resumption, which does not check, aside)."""
-
-    _RESUMED = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
-
-    def _global(self, frame, event, arg):
-        tracer = super()._global(frame, event, arg)
-        if (tracer is not None and not self.fired and sys.exc_info()[0] is None
-                and not frame.f_code.co_flags & self._RESUMED):
-            self.left -= 1
-            if self.left == 0:
-                self.fired = True
-                self.where = (f"{os.path.basename(frame.f_code.co_filename)}:"
-                              f"{frame.f_code.co_name} entry")
-                self.in_load = _inside_load(frame)
-                raise Injected(f"{frame.f_code.co_name} entry")
-        return tracer
 
 
 def _produce(q, n, done):
@@ -106,7 +83,7 @@ def test_a_receive_that_restarts_the_sweeper_leaves_nothing_whatever_it_is_inter
     p = ctx.Process(target=_produce, args=(q, n, done))
     p.start()
     lc.check_pid(p.pid)
-    inject = InjectEntries()
+    inject = Inject()
     i = 0
 
     def prepare():
@@ -172,7 +149,7 @@ def test_an_anchor_dying_whatever_its_finalizer_is_interrupted_at_is_let_go_of(l
     p = ctx.Process(target=_produce, args=(q, n, done))
     p.start()
     lc.check_pid(p.pid)
-    inject = InjectEntries()
+    inject = Inject()
     ignored: list = []
     hook = sys.unraisablehook
     i = 0
