@@ -70,7 +70,10 @@ def _reduce_ndarray(a: np.ndarray) -> tuple[Any, ...]:
         root = base
         while isinstance(root.base, np.ndarray):
             root = root.base
-        if ((root.flags.c_contiguous or root.flags.f_contiguous) and root.dtype.hasobject is False
+        # a subclass's root would be reduced through a view like this one again (see
+        # view_as): such a view is sent by value
+        if (type(root) is np.ndarray and (root.flags.c_contiguous or root.flags.f_contiguous)
+                and root.dtype.hasobject is False
                 and root.nbytes <= max(2 * a.nbytes, _strategy.get_inline_threshold())):
             return _rebuild_view, (root, _ptr(a) - _ptr(root), a.shape, a.strides, _dt(a.dtype),
                                    not a.flags.writeable)
@@ -220,6 +223,12 @@ def _rebuild_view(root: np.ndarray, offset: int, shape: tuple[int, ...],
     return a
 
 
+def view_as(a: np.ndarray, cls: type) -> np.ndarray:
+    """``a``'s memory as an instance of ``cls``: how a subclass of ndarray is sent as an
+    ndarray and rebuilt as itself (see ``_registry.register``)."""
+    return a.view(cls)
+
+
 # Importing this module installs it (``_reductions`` imports it once numpy is imported).
-_registry.register(np.ndarray, _reduce_ndarray, lane_dumps)
+_registry.register(np.ndarray, _reduce_ndarray, lane_dumps, view_as)
 _registry.register(Segment, _reduce_segment)

@@ -18,6 +18,7 @@ import io
 import pickle
 import sys
 import types
+import weakref
 from collections import ChainMap
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -100,6 +101,27 @@ _registry.register_lazy("numpy", _install_numpy)
 _registry.register_lazy("multiprocessing.pool", _install_pool)
 
 
+class _Table(dict[type, Callable[[Any], Any]]):
+    """A pickler's dispatch table.  pickle looks a reducer up by the object's exact type;
+    on a miss this finds the one an adapter registered for a base of the type
+    (``_registry.subclass_reducer``), once per type: the types it finds none for are
+    remembered (weakly: a class made at run time still dies)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.plain: weakref.WeakSet[type] = weakref.WeakSet()
+
+    def __missing__(self, t: type) -> Callable[[Any], Any]:
+        if t in self.plain or not isinstance(t, type):
+            raise KeyError(t)
+        reduce = _registry.subclass_reducer(t)
+        if reduce is None:
+            self.plain.add(t)
+            raise KeyError(t)
+        self[t] = reduce
+        return reduce
+
+
 class _Pickler(pickle.Pickler):
     """The fast pickler: the registered reducers (:mod:`shmtensor._registry`) ahead of
     multiprocessing's and copyreg's, in one plain dict (rebuilt when a reducer is registered
@@ -117,7 +139,7 @@ class _Pickler(pickle.Pickler):
                _registry.version)
         if sig != cls._signature:
             reducers, lanes = _registry.tables()
-            table = dict(copyreg.dispatch_table)
+            table = _Table(copyreg.dispatch_table)
             table.update(ForkingPickler._extra_reducers)
             table.update(reducers)
             cls.lanes = lanes

@@ -16,9 +16,11 @@ other adapters keep working.
 
 from __future__ import annotations
 
+import pickle
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
@@ -35,10 +37,13 @@ if TYPE_CHECKING:
     # loads(data, fds): the object of a lane message; closes every fd it does not keep
     LaneLoads: TypeAlias = Callable[[Payload, list[int]], object]
     Stats: TypeAlias = Callable[[], dict[str, int]]  # an adapter's debug_info() counters
+    # view(obj, cls): obj's memory as an instance of cls (a base or a subclass of obj's type)
+    View: TypeAlias = Callable[[Any, type], Any]
 
 _lock = threading.Lock()
 _reducers: dict[type, Reduce] = {}             # type -> reduce(obj) -> (fn, args)
 _lanes: dict[type, Lane] = {}                  # type -> dumps(obj) -> (payload, ctx) | None
+_views: dict[type, View] = {}                  # type -> view(obj, cls), for its subclasses
 _lane_kinds: dict[bytes, LaneLoads] = {}       # 2-byte message kind -> loads(data, fds)
 _lazy: dict[str, list[Callable[[], None]]] = {}  # top-level module -> installers to run
 _stats: list[Stats] = []                       # debug_info() counters of adapters
@@ -54,10 +59,17 @@ def _record(table: dict[Any, Any], key: object) -> None:
         added.append((table, key, table[key]))
 
 
-def register(cls: type, reduce: Reduce, lane: Lane | None = None) -> None:
-    """Pickle instances of exactly ``cls`` with ``reduce`` on shmtensor's channels; a
-    ``lane`` sends a message that is one such object without a pickler (it returns
-    ``(payload, SendContext)``, or None to take the pickler)."""
+def register(cls: type, reduce: Reduce, lane: Lane | None = None,
+             view: View | None = None) -> None:
+    """Pickle instances of ``cls`` with ``reduce`` on shmtensor's channels; a ``lane``
+    sends a message that is one such object without a pickler (it returns
+    ``(payload, SendContext)``, or None to take the pickler).
+
+    ``view(obj, c)`` (a module-level function: receivers import it by name) gives ``obj``'s
+    memory as an instance of ``c``.  With it, a subclass of ``cls`` that keeps ``cls``'s
+    own pickling (no ``__reduce__``/``__reduce_ex__`` of its own: ``numpy.memmap``,
+    ``numpy.matrix``, a user's ``ndarray`` subclass) is sent as ``cls`` and rebuilt as
+    itself, as the stdlib's pickle rebuilds it; without it, only ``cls`` itself."""
     global version
     with _lock:
         _reducers[cls] = reduce
@@ -65,7 +77,42 @@ def register(cls: type, reduce: Reduce, lane: Lane | None = None) -> None:
         if lane is not None:
             _lanes[cls] = lane
             _record(_lanes, cls)
+        if view is not None:
+            _views[cls] = view
+            _record(_views, cls)
         version += 1
+
+
+def subclass_reducer(t: type) -> Reduce | None:
+    """The reducer for instances of ``t``, a type not registered itself: that of its
+    nearest registered base, when that base has a ``view`` and ``t`` keeps its pickling;
+    else None (pickle's own way: ``t``'s ``__reduce_ex__``)."""
+    with _lock:
+        base = next((b for b in t.__mro__[1:] if b in _reducers), None)
+        if base is None or base not in _views:
+            return None
+        reduce, view = _reducers[base], _views[base]
+    if (getattr(t, "__reduce_ex__", None) is not getattr(base, "__reduce_ex__", None)
+            or getattr(t, "__reduce__", None) is not getattr(base, "__reduce__", None)):
+        return None
+    return partial(_reduce_as, reduce, view, base, t)
+
+
+def _reduce_as(reduce: Reduce, view: View, base: type, cls: type, obj: object
+               ) -> tuple[Any, ...]:
+    rv = reduce(view(obj, base))
+    if len(rv) > 3:  # items to append or set: not an array's; the subclass's own pickling
+        return cast("tuple[Any, ...]", obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL))
+    return rebuild_as, (view, cls) + tuple(rv)
+
+
+def rebuild_as(view: View, cls: type, fn: Callable[..., Any], args: tuple[Any, ...],
+               state: object = None) -> Any:
+    """What ``(fn, args, state)`` rebuilds (as pickle does), as an instance of ``cls``."""
+    obj = fn(*args)
+    if state is not None:
+        obj.__setstate__(state)
+    return view(obj, cls)
 
 
 def register_lane_kind(kind: bytes, loads: LaneLoads) -> None:
