@@ -10,6 +10,20 @@ def cp():
     return cupy
 
 
+def __getattr__(name):
+    """``GpuTagged``: a subclass of cupy.ndarray, made on first use (this module is
+    imported where CuPy is not installed)."""
+    if name != "GpuTagged":
+        raise AttributeError(name)
+
+    class GpuTagged(cp().ndarray):
+        pass
+
+    GpuTagged.__module__, GpuTagged.__qualname__ = __name__, "GpuTagged"
+    globals()["GpuTagged"] = GpuTagged
+    return GpuTagged
+
+
 def use(kind):
     """Allocate CuPy arrays in shared VMM memory when ``kind`` is "vmm"."""
     if kind == "vmm":
@@ -22,6 +36,14 @@ def simple_fill(queue, event):
     data[0][:] = 4
     cp().cuda.get_current_stream().synchronize()
     event.set()
+
+
+def subclass_fill(queue, done):
+    """Fill a received CuPy subclass array with 4; report its type's name."""
+    a = queue.get()
+    a[:] = 4
+    cp().cuda.get_current_stream().synchronize()
+    done.put(type(a).__name__)
 
 
 def send_array(queue, event, dtype):

@@ -63,6 +63,19 @@ def test_cuda_simple_fill_and_receive(cp, ctx, lc):
     shmtensor.cuda.ipc_collect()
 
 
+def test_cuda_subclass_array_is_the_same_memory_and_class(cp, kind, ctx, lc):
+    """A subclass of cupy.ndarray that keeps its pickling is sent as one (the same GPU
+    memory: the child's fill is seen here) and arrives as its own class."""
+    a = cp.zeros(64, dtype=cp.float32).view(type=ch.GpuTagged)
+    q, done = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=ch.subclass_fill, args=(q, done))
+    p.start()
+    q.put(a)
+    assert done.get(timeout=JOIN) == "GpuTagged"
+    join_all(p)
+    assert bool((a == 4).all()), "the child's fill was lost: the array arrived as a copy"
+
+
 def test_cuda_memory_allocation(cp, ctx, lc):
     q, e = ctx.Queue(), ctx.Event()
     p = ctx.Process(target=ch.send_and_delete, args=(q, e, np.int32, 5))

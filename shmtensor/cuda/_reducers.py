@@ -49,11 +49,17 @@ def lane_dumps(arr: Any) -> tuple[bytes, LaneContext] | None:
     return _ipc.lane_dumps(cp, arr, mem, owner)
 
 
+def view_as(arr: Any, cls: type) -> Any:
+    """``arr``'s memory as an instance of ``cls``: how a subclass of ``cupy.ndarray`` is
+    sent as one and rebuilt as itself (see ``_registry.register``)."""
+    return arr.view(type=cls)
+
+
 def register() -> None:
     """Register CuPy's types (CuPy is imported already: no driver call is made here, so
     importing shmtensor after CuPy leaves CUDA uninitialised and forking safe)."""
     import cupy as cp
-    _registry.register(cp.ndarray, reduce_cupy_array, lane_dumps)
+    _registry.register(cp.ndarray, reduce_cupy_array, lane_dumps, view_as)
     _registry.register(cp.cuda.Event, _events.reduce_event)
     _events.record_devices(cp)  # done already where CuPy was imported after shmtensor
 
