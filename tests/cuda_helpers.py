@@ -46,6 +46,26 @@ def subclass_fill(queue, done):
     done.put(type(a).__name__)
 
 
+def export_through_queue_and_ray(q, back, report):
+    """Put one CuPy array on ``q``, then the handle ``shmtensor.ray`` would carry for the
+    same allocation (``_cupy.handle_of``, as its serializer makes it, without a Ray
+    cluster); report whether the array that comes back on ``back`` is this process's own
+    memory, and its first element."""
+    import os
+    from shmtensor.cuda import _ipc
+    from shmtensor.ray import _cupy
+    c = cp()
+    a = c.arange(256, dtype=c.float32)
+    h = _cupy.handle_of(c, a, "node")
+    q.put(a)
+    q.put(h)
+    got = back.get(timeout=60)
+    report.put((got.data.ptr == a.data.ptr, float(got[0])))
+    del got
+    os.close(h.lease_fd)
+    _ipc.forget_home(h.slot)
+
+
 def send_array(queue, event, dtype):
     t = cp().ones((5, 5), dtype=dtype)
     queue.put(t)

@@ -76,6 +76,30 @@ def test_cuda_subclass_array_is_the_same_memory_and_class(cp, kind, ctx, lc):
     assert bool((a == 4).all()), "the child's fill was lost: the array arrived as a copy"
 
 
+def test_cuda_array_received_through_ray_maps_once_and_goes_on_through_a_queue(cp, ctx, lc):
+    """shmtensor.ray attaches through shmtensor.cuda's own table of opened handles: an
+    allocation that reaches a process through a queue and through Ray is one mapping, and
+    an array received through Ray can be sent on through a queue (CUDA refuses to export
+    an imported handle: the message names the exporter's), arriving home as the
+    exporter's own memory."""
+    from shmtensor.cuda import _ipc
+    from shmtensor.ray import _cupy
+    q, back, report = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=ch.export_through_queue_and_ray, args=(q, back, report))
+    p.start()
+    a = q.get(timeout=JOIN)
+    h = q.get(timeout=JOIN)
+    b = _cupy.attach(h)  # the same allocation, already open for ``a``
+    assert b.data.ptr == a.data.ptr
+    assert sum(m.handle == h.ipc_handle for m in _ipc._mappings.open.values()) == 1
+    b[0] = 5
+    cp.cuda.get_current_stream().synchronize()
+    back.put(b)
+    assert report.get(timeout=JOIN) == (True, 5.0)
+    del a, b
+    join_all(p)
+
+
 def test_cuda_memory_allocation(cp, ctx, lc):
     q, e = ctx.Queue(), ctx.Event()
     p = ctx.Process(target=ch.send_and_delete, args=(q, e, np.int32, 5))

@@ -6,12 +6,14 @@ receiver then reads finished data; Ray gives no stream to wait on), and keeps th
 memory and a lease description for as long as Ray references the handle's pin, and after
 that until no receiver holds the export's lease slot (see :mod:`._exports`).
 
-A receiver on the same host opens the handle once per process (a second open of one
-handle in one process fails) and holds the slot while any array on it lives; the last
-one's death enqueues the release (shmtensor.cuda's releaser: once the device work is done
-the slot is released and the handle closed).  A received array sent on names its
-exporter's handle and slot (CUDA will not export an imported handle), so its return to
-the exporter is the exporter's own memory.  Elsewhere, or
+A receiver on the same host maps the handle through shmtensor.cuda's own table of opened
+handles (``cuda._ipc._mapped``), so an allocation that reaches a process both through a
+queue and through Ray is opened once (a second open of one handle in one process fails),
+and holds the slot while any array on it lives; the last one's death enqueues the release
+(shmtensor.cuda's releaser, once the device work is done); the mapping stays open while
+idle, until evicted, as a queue's does.  A received array sent on, through Ray or a queue,
+names its exporter's handle and slot (CUDA will not export an imported handle), so its
+return to the exporter is the exporter's own memory.  Elsewhere, or
 when the GPU is not visible to the receiver, the agent of the sender's node copies the
 data to the host and it is copied onto the receiver's current device.  Memory CUDA IPC
 cannot export (``shmtensor.cuda.malloc``'s VMM slabs, managed memory) is sent by value,
@@ -21,12 +23,11 @@ as Ray sends CuPy arrays without shmtensor.
 from __future__ import annotations
 
 import os
-import threading
 from functools import partial
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
-from shmtensor.cuda import _device, _release
+from shmtensor.cuda import _device, _ipc, _release
 from shmtensor.ipc import cuda_ipc, ofd_lease, posix_shm
 
 from . import _agent, _exports, _host
@@ -51,12 +52,6 @@ class CudaHandle(NamedTuple):
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     dtype: str
-
-
-_lock = threading.Lock()
-_opened: dict[bytes, list[int]] = {}  # ipc handle -> [device pointer, live uses]
-# (table, slot) -> this process's exported memory: (CuPy memory, its base device pointer)
-_own: dict[tuple[str, int], tuple[Any, int]] = {}
 
 
 # CuPy has no type information: its module, arrays and memory are Any here
@@ -86,8 +81,25 @@ def export(arr: Any) -> tuple[str, CudaHandle, Pin]:
     cp = _cupy()
     mem = arr.data.mem
     owner = getattr(mem, "_owner", None) if isinstance(mem, cp.cuda.UnownedMemory) else None
-    if isinstance(owner, _Use):  # a received array sent on: its exporter's handle and slot
+    if isinstance(owner, _ipc._Use):  # a received array sent on: its exporter's handle
         return _forward(ray, cp, arr, owner)
+    h = handle_of(cp, arr, ray.get_runtime_context().get_node_id())
+    try:
+        pin = _exports.new_pin()
+    except BaseException:
+        _ipc.forget_home(h.slot)
+        os.close(h.lease_fd)
+        raise
+    _exports.add(pin, _exports.Export([h.lease_fd], arr.data.mem, h.slot,
+                                      partial(_ipc.forget_home, h.slot)))
+    return ("s", h, pin)
+
+
+def handle_of(cp: Any, arr: Any, node_id: str) -> CudaHandle:
+    """``arr``'s handle: its allocation's IPC handle, a new lease slot of this process (its
+    in-flight description in ``lease_fd``, the caller's to keep and close), and the slot
+    known as this memory here (``cuda._ipc.add_home``: it comes home as itself, through
+    Ray or a queue), until ``cuda._ipc.forget_home(slot)``."""
     device = arr.device.id
     with cp.cuda.Device(device), cuda_ipc.Current(device):  # any thread: see Current
         base, size = cuda_ipc.address_range(arr.data.ptr)
@@ -97,74 +109,32 @@ def export(arr: Any) -> tuple[str, CudaHandle, Pin]:
     table = ofd_lease.own_table()
     slot = table.new_slot()
     lease = ofd_lease.inflight_fd(table.id, [slot])
-    try:
-        pin = _exports.new_pin()
-    except BaseException:
-        os.close(lease)
-        raise
-    keep = (arr.data.mem, base)
-    _own[(table.id, slot)] = keep
-    _exports.add(pin, _exports.Export([lease], keep, slot,
-                                                       partial(_forget_own, table.id, slot)))
-    h = CudaHandle(_host.host_id(), ray.get_runtime_context().get_node_id(), os.getpid(),
-                   lease, table.id, slot, handle, bus_id, size, arr.data.ptr - base,
-                   arr.shape, arr.strides, arr.dtype.str)
-    return ("s", h, pin)
+    _ipc.add_home(slot, arr.data.mem, base, size, device)
+    return CudaHandle(_host.host_id(), node_id, os.getpid(), lease, table.id, slot, handle,
+                      bus_id, size, arr.data.ptr - base, arr.shape, arr.strides,
+                      arr.dtype.str)
 
 
 def _forward(ray: ModuleType, cp: Any, arr: Any,
-             owner: "_Use") -> tuple[str, CudaHandle, Pin]:
-    """Send on an array received from another process: CUDA refuses to export an imported
-    handle, so the message names the exporter's handle and slot, and this process's new
-    description of the exporter's lease (kept while Ray references the pin)."""
-    h = owner.h
+             owner: _ipc._Use) -> tuple[str, CudaHandle, Pin]:
+    """Send on an array received from another process (through Ray or a queue): CUDA
+    refuses to export an imported handle, so the message names the exporter's handle and
+    slot, and this process's new description of the exporter's lease (kept while Ray
+    references the pin)."""
+    m = owner.mapping
     with cp.cuda.Device(arr.device.id):
         cp.cuda.get_current_stream().synchronize()  # receivers read finished data
-    with _lock:
-        base = _opened[h.ipc_handle][0]
-    lease = ofd_lease.inflight_fd(h.table_id, [h.slot])
+    lease = ofd_lease.inflight_fd(owner.table_id, [owner.slot])
     try:
         pin = _exports.new_pin()
     except BaseException:
         os.close(lease)
         raise
     _exports.add(pin, _exports.Export([lease], arr.data.mem))
-    fwd = h._replace(host=_host.host_id(), node_id=ray.get_runtime_context().get_node_id(),
-                     pid=os.getpid(), lease_fd=lease, offset=arr.data.ptr - base,
-                     shape=arr.shape, strides=arr.strides, dtype=arr.dtype.str)
+    fwd = CudaHandle(_host.host_id(), ray.get_runtime_context().get_node_id(), os.getpid(),
+                     lease, owner.table_id, owner.slot, m.handle, m.bus_id, m.size,
+                     arr.data.ptr - m.ptr, arr.shape, arr.strides, arr.dtype.str)
     return ("s", fwd, pin)
-
-
-class _Use:
-    """One received array's hold on an opened handle and on the export's lease slot.  Its
-    death only enqueues the release (``shmtensor.cuda._release``: after this process's
-    work on the device is done, then the handle is closed by :func:`_closed_one`)."""
-
-    def __init__(self, h: CudaHandle, device: int) -> None:
-        self.h, self.device = h, device
-
-    def __del__(self) -> None:
-        _release.enqueue(self.device, self.h.table_id, self.h.slot,
-                         partial(_closed_one, self.h.ipc_handle, self.device))
-
-
-def _closed_one(handle: bytes, device: int, n: int) -> None:
-    """``n`` uses of ``handle`` were released (from a drain, not a finalizer): close the
-    handle with the last one."""
-    with _lock:
-        entry = _opened.get(handle)
-        if entry is None:
-            return
-        entry[1] -= n
-        if entry[1] > 0:
-            return
-        del _opened[handle]
-    try:
-        cp = _cupy()
-        with cp.cuda.Device(device):
-            cp.cuda.runtime.ipcCloseMemHandle(entry[0])
-    except Exception:  # shutting down: the driver lets go with the process
-        pass
 
 
 def _local_device(cp: Any, bus_id: str) -> int:
@@ -179,29 +149,22 @@ def attach(h: CudaHandle) -> Any:
     _release.poll()
     _release.ensure_releaser()
     device = _local_device(cp, h.bus_id)
-    keep = _own.get((h.table_id, h.slot))  # only this process's exports are there
     with cp.cuda.Device(device):
-        if keep is not None:  # back in the process that exported it: its own memory
-            mem = cp.cuda.UnownedMemory(keep[1], h.size, keep, device)
-            return cp.ndarray(h.shape, h.dtype, cp.cuda.MemoryPointer(mem, h.offset),
-                              h.strides)
-        src = _host.open_peer_fd(h.pid, h.lease_fd, f"{posix_shm.PREFIX}_{h.table_id}_lease")
-        try:
-            ofd_lease.hold(h.table_id, h.slot, src)
-        finally:
-            os.close(src)
-        try:
-            with _lock:
-                entry = _opened.get(h.ipc_handle)
-                if entry is None:
-                    ptr = cp.cuda.runtime.ipcOpenMemHandle(h.ipc_handle, 1)  # lazy peer access
-                    entry = _opened[h.ipc_handle] = [ptr, 0]
-                entry[1] += 1
-        except BaseException:
-            ofd_lease.release(h.table_id, h.slot)
-            raise
-        use = _Use(h, device)
-        mem = cp.cuda.UnownedMemory(entry[0], h.size, use, device)
+        # back in the process that exported it (through Ray or a queue): its own memory
+        home = _ipc._home(cp, h.table_id, h.slot, h.offset, h.shape, h.dtype, h.strides)
+        if home is not None:
+            return home
+
+        def take() -> None:  # the slot's hold, unless an array of this process holds it
+            src = _host.open_peer_fd(h.pid, h.lease_fd,
+                                     f"{posix_shm.PREFIX}_{h.table_id}_lease")
+            try:
+                ofd_lease.hold(h.table_id, h.slot, src)
+            finally:
+                os.close(src)
+
+        mem = _ipc._mapped(cp, device, h.ipc_handle, h.bus_id, h.size, h.table_id, h.slot,
+                           take)
         return cp.ndarray(h.shape, h.dtype, cp.cuda.MemoryPointer(mem, h.offset), h.strides)
 
 
@@ -216,10 +179,6 @@ def rebuild(h: CudaHandle) -> Any:
 
 def read_for_agent(h: CudaHandle) -> np.ndarray:
     return cast("np.ndarray", attach(h).get())  # CuPy's copy to the host
-
-
-def _forget_own(table_id: str, slot: int) -> None:
-    _own.pop((table_id, slot), None)
 
 
 deserialize = _exports.deserializer(rebuild)  # Ray's deserializer: by value, or rebuild()
