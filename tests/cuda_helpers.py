@@ -52,18 +52,17 @@ def export_through_queue_and_ray(q, back, report):
     cluster); report whether the array that comes back on ``back`` is this process's own
     memory, and its first element."""
     import os
-    from shmtensor.cuda import _ipc
     from shmtensor.ray import _cupy
     c = cp()
     a = c.arange(256, dtype=c.float32)
-    h = _cupy.handle_of(c, a, "node")
+    h, token = _cupy.handle_of(c, a, "node")  # token: kept while h may be unsent
     q.put(a)
     q.put(h)
     got = back.get(timeout=60)
     report.put((got.data.ptr == a.data.ptr, float(got[0])))
     del got
     os.close(h.lease_fd)
-    _ipc.forget_home(h.slot)
+    del token
 
 
 def send_array(queue, event, dtype):

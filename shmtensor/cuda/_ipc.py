@@ -98,9 +98,6 @@ class _Exports:
         self.bases: dict[int, list[int]] = {}  # device -> sorted bases
         self.leases: dict[tuple[int, int], _Lease] = {}  # insertion order is age
         self.by_slot: dict[int, _Lease] = {}
-        # allocations exported through another transport (shmtensor.ray), by lease slot:
-        # (memory, base, size, device), so a message naming one comes home as this memory
-        self.homes: dict[int, tuple[Any, int, int, int]] = {}
         self.next_sweep = 64
         # Exports with no lease left, by (device, base), oldest first: CuPy's pool hands the
         # same allocations out again, and one sent anew (same driver buffer id) keeps its
@@ -391,32 +388,6 @@ def own_lease(table_id: str, slot: int) -> _Lease | None:
         return _exports.by_slot.get(slot)
 
 
-def add_home(slot: int, mem: Any, base: int, size: int, device: int) -> None:
-    """Lease slot ``slot`` of this process names allocation ``mem`` (at ``base``, ``size``
-    bytes, on ``device``), exported through another transport: an array naming it comes
-    home as this memory, whichever way it travelled (see :func:`_home`)."""
-    with _exports.lock:
-        _exports.homes[slot] = (mem, base, size, device)
-
-
-def forget_home(slot: int) -> None:
-    with _exports.lock:
-        _exports.homes.pop(slot, None)
-
-
-def _own_memory(table_id: str, slot: int) -> tuple[Any, int, int, int] | None:
-    """(memory, base, size, device) of this process's export that lease slot ``slot`` of
-    table ``table_id`` names, or None."""
-    if (not _exports.by_slot and not _exports.homes) or ofd_lease.own_table().id != table_id:
-        return None
-    with _exports.lock:
-        lease = _exports.by_slot.get(slot)
-        if lease is not None and lease.mem is not None:
-            ex = lease.export
-            return lease.mem, ex.base, ex.size, ex.device
-        return _exports.homes.get(slot)
-
-
 def _rebuild_cupy_array(handle: bytes, bus_id: str, size: int, offset: int,
                         shape: tuple[int, ...], strides: tuple[int, ...], dtype: str,
                         table_id: str, slot: int, lock_i: int, event_handle: bytes | None
@@ -449,11 +420,12 @@ def _home(cp: Any, table_id: str, slot: int, offset: int, shape: tuple[int, ...]
     """The array of a message that came back to the process that exported its chunk (its
     own memory, no IPC), or None.  The chunk's memory object is the owner, so CuPy's pool
     cannot take it back under this array."""
-    found = _own_memory(table_id, slot)
-    if found is None:
+    lease = own_lease(table_id, slot)
+    mem = lease.mem if lease is not None else None
+    if mem is None:
         return None
-    keep, base, size, device = found
-    mem = cp.cuda.UnownedMemory(base, size, keep, device)
+    ex = cast(_Lease, lease).export  # not None: it had memory
+    mem = cp.cuda.UnownedMemory(ex.base, ex.size, mem, ex.device)
     return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
 
 

@@ -1,15 +1,15 @@
 """CuPy arrays through Ray: a CUDA IPC handle on the sender's host, the data elsewhere.
 
-The sender exports the allocation holding the array (``cuMemGetAddressRange``: CuPy's
-pool sub-allocates) with ``cudaIpcGetMemHandle``, waits for its current stream (the
-receiver then reads finished data; Ray gives no stream to wait on), and keeps the CuPy
-memory and a lease description for as long as Ray references the handle's pin, and after
-that until no receiver holds the export's lease slot (see :mod:`._exports`).
+The sender exports the allocation holding the array as the queues do
+(``cuda._ipc._export``: ``cuMemGetAddressRange``, as CuPy's pool sub-allocates, one
+``cudaIpcGetMemHandle`` per allocation and a lease slot per chunk), waits for its current
+stream (the receiver then reads finished data; Ray gives no stream to wait on), and keeps
+the export's token and a lease description for as long as Ray references the handle's
+pin, and after that until no receiver holds the slot (see :mod:`._exports`).
 
 A receiver on the same host maps the handle through shmtensor.cuda's own table of opened
 handles (``cuda._ipc._mapped``), so an allocation that reaches a process both through a
-queue and through Ray is opened once (a second open of one handle in one process fails),
-and holds the slot while any array on it lives; the last one's death enqueues the release
+queue and through Ray is one mapping, and holds the slot while any array on it lives; the last one's death enqueues the release
 (shmtensor.cuda's releaser, once the device work is done); the mapping stays open while
 idle, until evicted, as a queue's does.  A received array sent on, through Ray or a queue,
 names its exporter's handle and slot (CUDA will not export an imported handle), so its
@@ -23,7 +23,6 @@ as Ray sends CuPy arrays without shmtensor.
 from __future__ import annotations
 
 import os
-from functools import partial
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
@@ -83,36 +82,31 @@ def export(arr: Any) -> tuple[str, CudaHandle, Pin]:
     owner = getattr(mem, "_owner", None) if isinstance(mem, cp.cuda.UnownedMemory) else None
     if isinstance(owner, _ipc._Use):  # a received array sent on: its exporter's handle
         return _forward(ray, cp, arr, owner)
-    h = handle_of(cp, arr, ray.get_runtime_context().get_node_id())
+    h, token = handle_of(cp, arr, ray.get_runtime_context().get_node_id())
     try:
         pin = _exports.new_pin()
     except BaseException:
-        _ipc.forget_home(h.slot)
         os.close(h.lease_fd)
         raise
-    _exports.add(pin, _exports.Export([h.lease_fd], arr.data.mem, h.slot,
-                                      partial(_ipc.forget_home, h.slot)))
+    _exports.add(pin, _exports.Export([h.lease_fd], (arr.data.mem, token), h.slot))
     return ("s", h, pin)
 
 
-def handle_of(cp: Any, arr: Any, node_id: str) -> CudaHandle:
-    """``arr``'s handle: its allocation's IPC handle, a new lease slot of this process (its
-    in-flight description in ``lease_fd``, the caller's to keep and close), and the slot
-    known as this memory here (``cuda._ipc.add_home``: it comes home as itself, through
-    Ray or a queue), until ``cuda._ipc.forget_home(slot)``."""
+def handle_of(cp: Any, arr: Any, node_id: str) -> tuple[CudaHandle, object]:
+    """``arr``'s handle, exported as the queues export (``cuda._ipc._export``: one export
+    per allocation, a lease slot per chunk, found again by a message that comes home), and
+    the token to keep while the handle may be unsent (with ``lease_fd``, its in-flight
+    description: the caller's to keep and close)."""
     device = arr.device.id
     with cp.cuda.Device(device), cuda_ipc.Current(device):  # any thread: see Current
-        base, size = cuda_ipc.address_range(arr.data.ptr)
-        handle = bytes(cp.cuda.runtime.ipcGetMemHandle(base))
-        bus_id = cp.cuda.runtime.deviceGetPCIBusId(device)
-        cp.cuda.get_current_stream().synchronize()
+        lease, token = _ipc._export(cp, arr, device)
+        cp.cuda.get_current_stream().synchronize()  # receivers read finished data
+    ex = lease.export
     table = ofd_lease.own_table()
-    slot = table.new_slot()
-    lease = ofd_lease.inflight_fd(table.id, [slot])
-    _ipc.add_home(slot, arr.data.mem, base, size, device)
-    return CudaHandle(_host.host_id(), node_id, os.getpid(), lease, table.id, slot, handle,
-                      bus_id, size, arr.data.ptr - base, arr.shape, arr.strides,
-                      arr.dtype.str)
+    fd = ofd_lease.inflight_fd(table.id, [lease.slot])
+    return CudaHandle(_host.host_id(), node_id, os.getpid(), fd, table.id, lease.slot,
+                      ex.handle, ex.bus_id, ex.size, arr.data.ptr - ex.base, arr.shape,
+                      arr.strides, arr.dtype.str), token
 
 
 def _forward(ray: ModuleType, cp: Any, arr: Any,
