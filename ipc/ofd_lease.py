@@ -112,7 +112,6 @@ def probe_held(fd: int, slot: int, count: int = 1) -> bool:
 
 
 SHARDS = 8  # lock files per table: slot ``s`` is byte ``s`` of file ``s % SHARDS``
-_NO_FDS = (-1,) * SHARDS
 
 
 class LeaseTable:
@@ -384,9 +383,11 @@ def shed_kept() -> int:
     gc.disable()
     try:
         for h in list(_holdings.values()):
-            if not h.lock.acquire(blocking=False):
-                continue
+            took: list[bool] = []
             try:
+                took.extend(starmap(h.lock.acquire, ((False,),)))  # see forget_idle
+                if not took[0]:
+                    continue
                 for slot, by in list(h.by.items()):
                     fd = h.fds[slot % SHARDS]
                     if by < 0 or fd < 0:
@@ -395,11 +396,15 @@ def shed_kept() -> int:
                         _setlk(fd, fcntl.F_RDLCK, slot)  # held by the lock before the close
                     except OSError:  # no lock to be had: it keeps its description
                         continue
-                    h.by[slot] = -1
-                    close_fds((by,))
-                    closed += 1
+                    try:
+                        # one line: out of ``by``, counted and closed with no point in
+                        # between where a signal handler runs (os.close is C)
+                        h.by[slot] = -1; closed += 1; os.close(by)  # noqa: E702
+                    except OSError:
+                        pass
             finally:
-                h.lock.release()
+                if took and took[0]:
+                    h.lock.release()
     finally:
         if was_enabled:
             gc.enable()
@@ -611,19 +616,23 @@ def forget_idle(blocking: bool = True) -> int:
     for tid, h in list(_holdings.items()):  # listed before the locks: nothing made inside
         if (_own is not None and tid == _own.id) or h.counts:
             continue
+        took: list[bool] = []  # made before the locks, as is ``take``: nothing made inside
+        take = starmap(h.lock.acquire, ((blocking,),))
         with _registry_lock:
-            if not h.lock.acquire(blocking):
-                continue
             try:
-                if h.counts or _holdings.get(tid) is not h:
+                # recorded as it is taken (starmap and extend are C): an exception (a
+                # signal handler's) never finds the lock taken and not let go of below
+                took.extend(take)
+                if not took[0] or h.counts or _holdings.get(tid) is not h:
                     continue
-                del _holdings[tid]
-                h.gone = True
+                # closed while it is listed, each entry -1 as it closes: an exception cut
+                # short here leaves the rest to the next call, never open and unlisted
                 close_fds(h.fds)
-                h.fds[:] = _NO_FDS  # in place: nothing made while the locks are held
+                del _holdings[tid]; h.gone = True  # noqa: E702 (one step: no call between)
                 closed += 1
             finally:
-                h.lock.release()
+                if took and took[0]:
+                    h.lock.release()
     return closed
 
 

@@ -10,7 +10,10 @@ does not, and left a dead producer's segment mapped, or a peer's lease descripti
   starts it again, and an exception there left the new mapping owned by nobody;
 * an anchor dying inside a receive (a reference cycle a GC pass collects there, an
   array of a discarded message): its finalizer runs Python code, where a signal
-  handler's exception cut the release of its hold short.
+  handler's exception cut the release of its hold short;
+* a receive from a new peer past ``ofd_lease.holdings_kept()`` peers (a soak's many
+  short-lived producers), which forgets the idle peers' descriptions: an exception
+  there closed none of them and left them open, their holding forgotten.
 
 Here each is raised at every point in turn, and nothing may be left: no mapping, no fd, no hold on the
 producer's segments.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -196,3 +200,113 @@ def test_an_anchor_dying_whatever_its_finalizer_is_interrupted_at_is_let_go_of(l
         q.close()
         q.join_thread()
     assert p.exitcode == 0, "the producer's segments are still held (exit code 3)"
+
+
+def _produce_small(q, n, done):
+    for i in range(n):
+        q.put((i, np.full(100_000, i % 256, np.uint8)))  # a slab's: one slot for many
+    q.close()
+    q.join_thread()
+    done.wait(JOIN)
+    shmtensor.empty_cache()
+    info = shmtensor.debug_info()
+    os._exit(0 if info["segments_own_live"] + info["segments_own_idle"] == 0 else 3)
+
+
+def _locks_free() -> bool:
+    """Whether another thread can take every holding's lock (none left taken here)."""
+    free: list[bool] = []
+
+    def probe():
+        for h in list(ofd_lease._holdings.values()):
+            if not h.lock.acquire(blocking=False):
+                free.append(False)
+                return
+            h.lock.release()
+        free.append(True)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join(JOIN)
+    return free == [True]
+
+
+def test_a_receive_that_forgets_an_idle_peer_leaves_nothing_whatever_it_is_interrupted_at(
+        lc, monkeypatch):
+    """The first receive from a new peer forgets the idle ones' descriptions (past
+    ``ofd_lease.holdings_kept()`` peers: a soak with many short-lived producers): an
+    exception there (a signal handler's) may not leave one open, its holding forgotten,
+    nor a holding's lock taken."""
+    monkeypatch.setattr(ofd_lease, "holdings_kept", lambda: 0)  # every new peer forgets
+    ctx = smp.get_context("fork")
+    n = 1500
+    done = ctx.Event()
+    qs, ps = [], []
+    for _ in range(2):
+        q = ctx.Queue()
+        p = ctx.Process(target=_produce_small, args=(q, n, done))
+        p.start()
+        lc.check_pid(p.pid)
+        qs.append(q)
+        ps.append(p)
+    idle, new = qs
+    seqs = [0, 0]
+    drained = False
+    inject = Inject()
+
+    def check(got, j, where=None):
+        seq, a = got
+        assert seq == seqs[j] and (a == seq % 256).all(), (
+            f"message {seqs[j]} expected, {seq} arrived ({where})")
+        seqs[j] += 1
+
+    def prepare():
+        gc.collect()
+        shmtensor.empty_cache()  # every peer forgotten: the next receive adopts anew ...
+        check(idle.get(timeout=JOIN), 0)  # ... and one idle peer is known before it
+        gc.collect()
+
+    try:
+        prepare()
+        check(new.get(timeout=JOIN), 1)
+        base = _state()
+        k, quiet = 1, 0
+        while quiet < 3:  # the receive has run out of points to interrupt
+            assert max(seqs) < n - 2, "not enough messages for every point"
+            prepare()
+            inject.arm(k)
+            try:
+                got = new.get(timeout=JOIN)
+            except Injected:
+                got = None
+            finally:
+                fired = inject.disarm()
+            # before the next receive, which would forget (and unlock) an idle one again
+            assert _locks_free(), f"a holding's lock left taken at {inject.where}"
+            if got is None:  # interrupted: the next receive delivers the message ...
+                if inject.in_load:  # ... unless it was being unpickled: then discarded
+                    seqs[1] += 1
+                got = new.get(timeout=JOIN)
+            check(got, 1, inject.where)
+            del got
+            now = _state()
+            assert now == base, (f"left after an interrupt at {inject.where}: "
+                                 f"mapped {now[0]}, fds {now[1] ^ base[1]}")
+            quiet = 0 if fired else quiet + 1
+            k += 1
+        assert k > 50, f"only {k} points were interrupted"
+        for j, q in enumerate(qs):
+            while seqs[j] < n:
+                check(q.get(timeout=JOIN), j)
+        drained = True
+    finally:
+        done.set()
+        for p in ps:
+            p.join(JOIN if drained else 1)  # one that failed left them blocked in a put
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for q in qs:
+            q.close()
+            q.join_thread()
+    assert [p.exitcode for p in ps] == [0, 0], "a producer's segments are still held (3)"
