@@ -18,12 +18,13 @@ released (the victims' holds died with them), and nothing is left in /dev/shm (t
 checker).
 
 Left out by default: interrupts inside the unpickling (``SHMTENSOR_SOAK_LOADS=1`` puts
-them in; in about one full suite of several it still leaves a peer's lease description
-open: see docs/architecture.md, "Known limits").  Raised there, the message is discarded by design (its fds closed; then lost
-acknowledged messages may be as many as were discarded, never more), and nothing of it
+them in; docs/architecture.md, "Known limits", says why it stays opt-in).  Raised there,
+the message is discarded by design (its fds closed; then lost acknowledged messages may
+be as many as were discarded, never more), and nothing of it
 may be left behind (tests/test_receive_atomic.py raises at every point of a load of both
 strategies; tests/test_receive_atomic_states.py in the states this soak reaches and a
-steady stream does not: the sweeper stopped by a fork, an anchor dying inside a get).
+steady stream does not: the sweeper stopped by a fork, an anchor dying inside a get,
+idle peers forgotten as a new one's first message arrives).
 """
 
 from __future__ import annotations
