@@ -80,6 +80,18 @@ class Inject:
         sys.setprofile(None)
         return self.fired
 
+    def receive(self, k: int, get):
+        """``get()`` raised at its ``k``-th point: (what it returned, or None when it was
+        interrupted; whether the point was reached)."""
+        self.arm(k)
+        try:
+            got = get()
+        except Injected:
+            got = None
+        finally:
+            fired = self.disarm()
+        return got, fired
+
     def _profile(self, frame, event, arg):
         if event in ("c_return", "c_exception"):
             self._checked.add(id(frame))
@@ -239,13 +251,7 @@ def test_an_exception_at_every_line_of_a_receive_loses_and_leaks_nothing(lc, how
         k, quiet, discarded, tries = 1, 0, 0, 0
         while quiet < 3:  # every kind of message has run out of lines to interrupt
             assert i < n - 1, "not enough messages for every line"
-            inject.arm(k)
-            try:
-                got = receive()
-            except Injected:
-                got = None
-            finally:
-                fired = inject.disarm()
+            got, fired = inject.receive(k, receive)
             if got is None:  # interrupted: the next receive delivers the message ...
                 if inject.in_load:  # ... unless it was being unpickled: then it was discarded
                     discarded += 1

@@ -34,7 +34,7 @@ import shmtensor.multiprocessing as smp
 from shmtensor import _segments
 from shmtensor.ipc import ofd_lease
 
-from test_receive_atomic import Inject, Injected
+from test_receive_atomic import Inject
 
 JOIN = 60
 SIZE = 1 << 18  # int64s: a 2 MiB array, a segment of its own
@@ -111,13 +111,7 @@ def test_a_receive_that_restarts_the_sweeper_leaves_nothing_whatever_it_is_inter
         while quiet < 3:  # the receive has run out of points to interrupt
             assert i < n - 2, "not enough messages for every point"
             prepare()
-            inject.arm(k)
-            try:
-                got = q.get(timeout=JOIN)
-            except Injected:
-                got = None
-            finally:
-                fired = inject.disarm()
+            got, fired = inject.receive(k, lambda: q.get(timeout=JOIN))
             if got is None:  # interrupted: the next receive delivers the message ...
                 if inject.in_load:  # ... unless it was being unpickled: then discarded
                     i += 1
@@ -274,13 +268,7 @@ def test_a_receive_that_forgets_an_idle_peer_leaves_nothing_whatever_it_is_inter
         while quiet < 3:  # the receive has run out of points to interrupt
             assert max(seqs) < n - 2, "not enough messages for every point"
             prepare()
-            inject.arm(k)
-            try:
-                got = new.get(timeout=JOIN)
-            except Injected:
-                got = None
-            finally:
-                fired = inject.disarm()
+            got, fired = inject.receive(k, lambda: new.get(timeout=JOIN))
             # before the next receive, which would forget (and unlock) an idle one again
             assert _locks_free(), f"a holding's lock left taken at {inject.where}"
             if got is None:  # interrupted: the next receive delivers the message ...
