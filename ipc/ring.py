@@ -1,0 +1,524 @@
+"""A bounded ring of byte messages in one shared memfd, for any number of writer and
+reader processes and threads: the lean channel's transport (docs/channel-design.md).
+
+Facts this module is built on (Linux, x86-64 or aarch64, glibc or musl):
+
+* A process-shared *robust* pthread mutex lives in the mapping and costs no syscall when
+  nobody contends for it.  When the thread that owns it dies (SIGKILL included), the
+  kernel marks it from the thread's robust list and the next locker gets ``EOWNERDEAD``:
+  it owns the lock, repairs what the dead owner left, and calls
+  ``pthread_mutex_consistent``.  Each thread owns it on its own (no process-wide
+  ``threading.Lock`` is needed), a wait for it can have a deadline
+  (``pthread_mutex_clocklock``), and a forked child owns nothing it did not lock itself.
+* ``futex(2)`` ``FUTEX_WAIT`` on a 32-bit word of a shared mapping sleeps only if the word
+  still holds the expected value, compared in the kernel after a full barrier;
+  ``FUTEX_WAKE`` wakes a sleeper of that word in any process.
+* x86-64 keeps a thread's stores in order and its loads in order.  A store followed by a
+  load of another word may pass it: the mutex's unlock (an atomic exchange, a full
+  barrier) closes that on the waker's side, the futex wait on the sleeper's side.  Every
+  sleep is also bounded (``SLICE``) and re-checks, so a wake missed in any other way costs
+  a slice, never a hang.  Elsewhere, ``_fence`` orders what x86-64 orders by itself.
+* An OFD lock (``F_OFD_SETLK``) belongs to an open file description, and goes when the last
+  fd of it closes: at the latest when its process dies.  A fork shares descriptions.
+
+Layout of the memfd (native byte order, every word aligned)::
+
+    0    magic, version, capacity, record size
+    64   the writers' lock (a robust pthread mutex)
+    128  the readers' lock
+    192  tail: the number of records ever written; its low 32 bits are the readers' futex word
+    200  head: the number of records ever taken; its low 32 bits are the writers' futex word
+    208  a reader sleeps (0/1), a writer sleeps (0/1), next process index to try
+    256  ``capacity`` records of ``record_size`` bytes: sequence number (the tail it was
+         written at, plus one), writer's process index, length, then the message
+
+Protocol.  A writer takes the writers' lock; while ``tail - head == capacity`` it sleeps on
+the head word (flagging that a writer sleeps), or fails with ``queue.Full`` at its
+deadline; it writes record ``tail % capacity`` whole, then stores ``tail + 1`` (which
+publishes it), lets go of the lock, and wakes a reader if one sleeps.  A reader does the
+mirror image under the readers' lock: it sleeps on the tail word while ``head == tail``,
+copies record ``head % capacity`` out, stores ``head + 1``, lets go, and wakes a writer if
+one sleeps.  Only the holder of a lock sleeps on the ring, so each flag is written by one
+thread at a time; other writers (readers) wait on the lock itself.
+
+What a death leaves (the kernel frees the dead thread's lock; the next holder repairs):
+
+* a writer, before it stored ``tail``: a partial record past ``tail``, which nobody reads
+  and the next writer overwrites; after: a whole record, delivered;
+* a reader, before it stored ``head``: the record stays at ``head`` and the next reader
+  gets it (the dead reader's ``get`` never returned it: no loss, no duplicate); after:
+  the message went with the reader, as it would with the stdlib's queue;
+* a sleeper: its flag, which the next holder clears (a stale flag costs one spurious
+  wake per message until then, never a missed one).
+
+A record whose sequence number or length is wrong (memory written by something else) is
+stepped over and reported as an ``OSError``; the ring stays in step (records have a
+fixed size).
+
+Each process that maps a ring holds a *process index* ``k``: a write lock on byte
+``LIVE + k`` of the memfd, through a description of its own.  The index is written into
+each record and tells whether other processes still have the ring (:meth:`Ring.alive`,
+:meth:`Ring.peers_alive`); a forked child takes a new index through a new description.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+import platform
+import queue
+import struct
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from .posix_shm import PREFIX
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
+__all__ = ["HAVE_RING", "Ring", "SLICE", "MAX_PROCS"]
+
+_ARCH = platform.machine()
+_SYS_FUTEX = {"x86_64": 202, "AMD64": 202, "aarch64": 98, "arm64": 98}.get(_ARCH)
+_TSO = _ARCH in ("x86_64", "AMD64")  # stores stay in order, and loads do (see _fence)
+HAVE_RING = (_SYS_FUTEX is not None and hasattr(fcntl, "F_OFD_SETLK")
+             and hasattr(os, "memfd_create"))
+
+SLICE = 0.05  # longest sleep between re-checks: bounds a missed wake, lets signals run
+MAX_PROCS = 1 << 16  # process indices per ring
+LIVE = 1 << 40  # byte of the memfd whose lock is process index 0 (locks may lie past EOF)
+
+_MAGIC = 0x31474E4952545453  # b"STTRING1"
+_VERSION = 1
+_HEADER = struct.Struct("QIII")  # magic, version, capacity, record size
+_W_LOCK, _R_LOCK = 64, 128
+_TAIL, _HEAD, _R_SLEEPS, _W_SLEEPS, _NEXT = 192, 200, 208, 212, 216
+_RECORDS = 256
+_Q = struct.Struct("Q")
+_I = struct.Struct("I")
+_TAIL_HEAD = struct.Struct("QQ")
+_REC = struct.Struct("QII")  # sequence number, writer's process index, length
+_REC_SIZE = _REC.size
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64 and aarch64
+_MASK = 0xFFFFFFFF
+
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not _PRIVATE): the sleepers are in other processes
+_CLOCK_MONOTONIC = 1
+_EBUSY, _ETIMEDOUT, _EOWNERDEAD = errno.EBUSY, errno.ETIMEDOUT, errno.EOWNERDEAD
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _timespec(seconds: float) -> _Timespec:
+    whole = int(seconds)
+    return _Timespec(whole, int((seconds - whole) * 1e9))
+
+
+# Calls that may block go through CDLL, which lets go of the GIL; calls that never block
+# (try-lock, unlock, wake) go through PyDLL, which keeps it and costs less.
+_libc = ctypes.CDLL(None, use_errno=True)
+_pylibc = ctypes.PyDLL(None, use_errno=True)
+_trylock = _pylibc.pthread_mutex_trylock
+_unlock = _pylibc.pthread_mutex_unlock
+_consistent = _pylibc.pthread_mutex_consistent
+for _f in (_trylock, _unlock, _consistent):
+    _f.argtypes, _f.restype = [ctypes.c_void_p], ctypes.c_int
+_clocklock: Any = getattr(_libc, "pthread_mutex_clocklock", None)  # glibc >= 2.30
+if _clocklock is not None:
+    _clocklock.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Timespec)]
+    _clocklock.restype = ctypes.c_int
+_timedlock = _libc.pthread_mutex_timedlock
+_timedlock.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
+_timedlock.restype = ctypes.c_int
+_futex_wait = _libc.syscall
+_futex_wait.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint,
+                        ctypes.POINTER(_Timespec), ctypes.c_void_p, ctypes.c_uint]
+_futex_wait.restype = ctypes.c_long
+_futex_wake = _pylibc.syscall
+_futex_wake.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+_futex_wake.restype = ctypes.c_long
+
+# A full barrier where the hardware does not order stores (loads) by itself: letting go of
+# a private spinlock (a release) and taking it again (an acquire) orders every access
+# before the pair before every access after it.
+_fence_lock = ctypes.c_int(0)
+_spin_lock, _spin_unlock = _pylibc.pthread_spin_lock, _pylibc.pthread_spin_unlock
+_spin_lock.argtypes = _spin_unlock.argtypes = [ctypes.c_void_p]
+
+
+def _fence() -> None:
+    _spin_unlock(ctypes.addressof(_fence_lock))
+    _spin_lock(ctypes.addressof(_fence_lock))
+
+
+if not _TSO:
+    _spin_lock(ctypes.addressof(_fence_lock))  # held between fences: each fence re-takes it
+
+
+def _lock_for(lock: int, seconds: float) -> int:
+    """``pthread_mutex_*lock`` with a deadline ``seconds`` from now: 0, ETIMEDOUT,
+    EOWNERDEAD or another error number."""
+    if _clocklock is not None:
+        return int(_clocklock(lock, _CLOCK_MONOTONIC, _timespec(time.monotonic() + seconds)))
+    return int(_timedlock(lock, _timespec(time.time() + seconds)))
+
+
+def _deadline(block: bool, timeout: float | None) -> float | None:
+    if not block:
+        return 0.0
+    if timeout is None:
+        return None
+    return time.monotonic() + max(timeout, 0.0)
+
+
+_LATER = -1.0  # a deadline not computed yet (the fast path never needs one)
+_rings: weakref.WeakSet[Ring] = weakref.WeakSet()
+
+
+def _reopen(fd: int) -> int:
+    """A new open file description of ``fd``'s file (close-on-exec)."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+
+
+class Ring:
+    """A bounded ring of byte messages in shared memory (see the module's docstring).
+
+    Make one with :meth:`create`, map it in another process with :meth:`attach` (its
+    :attr:`fd` passed by fork or ``socket.send_fds``).  Both ends are safe to use from
+    several threads.  ``put`` and ``get`` follow ``queue.Queue``: ``block``, ``timeout``,
+    ``queue.Full`` and ``queue.Empty``."""
+
+    __slots__ = ("fd", "capacity", "record_size", "payload_max", "index", "recovered",
+                 "_mem", "_anchor", "_base", "_live", "__weakref__")
+
+    fd: int
+    capacity: int
+    record_size: int
+    payload_max: int
+    index: int
+    recovered: int
+
+    def __init__(self, fd: int, mem: mmap.mmap) -> None:
+        """Use :meth:`create` or :meth:`attach`; takes ``fd`` and ``mem``."""
+        self.fd = fd
+        self._mem: mmap.mmap | None = mem
+        _, _, self.capacity, self.record_size = _HEADER.unpack_from(mem, 0)
+        self.payload_max = self.record_size - _REC_SIZE
+        self.recovered = 0  # locks this process took over from a dead owner
+        # held for the mapping's life: the mmap cannot be closed under the addresses
+        self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(mem)
+        self._base = ctypes.addressof(self._anchor)
+        self._live = -1
+        self.index = -1
+        try:
+            self._live = _reopen(fd)
+            self.index = self._claim_index()
+        except BaseException:
+            self.close()
+            raise
+        _rings.add(self)
+
+    @classmethod
+    def create(cls, capacity: int, record_size: int = 256) -> Ring:
+        """A new ring of ``capacity`` records of ``record_size`` bytes (a multiple of 8;
+        each carries up to ``record_size - 16`` bytes of message)."""
+        if not HAVE_RING:
+            raise OSError(errno.ENOSYS, f"shmtensor's ring needs Linux with memfd, OFD locks "
+                          f"and a known futex syscall number (x86-64, aarch64); this is "
+                          f"{_ARCH}")
+        if not 1 <= capacity < 1 << 31:
+            raise ValueError(f"a ring's capacity must be between 1 and 2**31 - 1 records, "
+                             f"not {capacity}")
+        if record_size % 8 or not _REC_SIZE <= record_size <= 1 << 24:
+            raise ValueError(f"a ring's record size must be a multiple of 8 between "
+                             f"{_REC_SIZE} and 16 MiB, not {record_size}")
+        fd = os.memfd_create(f"{PREFIX}_ring", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, _RECORDS + capacity * record_size)
+            mem = mmap.mmap(fd, _RECORDS + capacity * record_size)
+            try:
+                _HEADER.pack_into(mem, 0, 0, _VERSION, capacity, record_size)
+                _init_robust_mutexes(mem, (_W_LOCK, _R_LOCK))
+                _Q.pack_into(mem, 0, _MAGIC)  # last: a ring is whole once it has its magic
+                return cls(fd, mem)
+            except BaseException:
+                mem.close()
+                raise
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def attach(cls, fd: int) -> Ring:
+        """Map the ring whose memfd ``fd`` is (the caller keeps ``fd``; the ring uses a
+        duplicate of its own)."""
+        size = os.fstat(fd).st_size
+        if size < _RECORDS:
+            raise ValueError(f"fd {fd} is not a ring: its file has {size} bytes, fewer than "
+                             "a ring's header")
+        own = os.dup(fd)
+        try:
+            mem = mmap.mmap(own, size)
+            try:
+                magic, version, capacity, record_size = _HEADER.unpack_from(mem, 0)
+                if magic != _MAGIC or version != _VERSION:
+                    raise ValueError(f"fd {fd} is not a ring of this version of shmtensor "
+                                     f"(magic {magic:#x}, version {version})")
+                if (record_size % 8 or record_size < _REC_SIZE
+                        or _RECORDS + capacity * record_size > size):
+                    raise ValueError(f"fd {fd}: a ring of {capacity} records of "
+                                     f"{record_size} bytes does not fit its {size} bytes")
+                return cls(own, mem)
+            except BaseException:
+                mem.close()
+                raise
+        except BaseException:
+            os.close(own)
+            raise
+
+    def put(self, data: ReadableBuffer, block: bool = True,
+            timeout: float | None = None) -> None:
+        """Append ``data`` (bytes-like, at most :attr:`payload_max` bytes); with a full
+        ring, wait for room (``block``, up to ``timeout`` seconds) or raise
+        ``queue.Full``."""
+        if type(data) is not bytes:
+            data = memoryview(data).cast("B")
+        n = len(data)
+        mem = self._mem
+        if n > self.payload_max or mem is None:
+            raise self._refusal(n)
+        lock = self._base + _W_LOCK
+        deadline: float | None = _LATER
+        rc = _trylock(lock)
+        if rc:
+            deadline = self._take(lock, rc, _W_SLEEPS, block, _deadline(block, timeout),
+                                  queue.Full)
+        try:
+            t, h = _TAIL_HEAD.unpack_from(mem, _TAIL)
+            if t - h >= self.capacity:
+                if deadline == _LATER:
+                    deadline = _deadline(block, timeout)
+                self._sleep_while(_HEAD, h, _W_SLEEPS, deadline, queue.Full)
+            off = _RECORDS + t % self.capacity * self.record_size
+            _REC.pack_into(mem, off, t + 1, self.index, n)
+            mem[off + _REC_SIZE:off + _REC_SIZE + n] = data
+            if not _TSO:
+                _fence()  # the record before the tail that publishes it
+            _Q.pack_into(mem, _TAIL, t + 1)
+        finally:
+            _unlock(lock)
+        if _I.unpack_from(mem, _R_SLEEPS)[0]:
+            _futex_wake(_SYS_FUTEX, self._base + _TAIL, _FUTEX_WAKE, 1)
+
+    def get(self, block: bool = True, timeout: float | None = None) -> bytes:
+        """Take the oldest message; with an empty ring, wait for one (``block``, up to
+        ``timeout`` seconds) or raise ``queue.Empty``."""
+        mem = self._mem
+        if mem is None:
+            raise self._refusal(0)
+        lock = self._base + _R_LOCK
+        deadline: float | None = _LATER
+        rc = _trylock(lock)
+        if rc:
+            deadline = self._take(lock, rc, _R_SLEEPS, block, _deadline(block, timeout),
+                                  queue.Empty)
+        try:
+            t, h = _TAIL_HEAD.unpack_from(mem, _TAIL)
+            if h == t:
+                if deadline == _LATER:
+                    deadline = _deadline(block, timeout)
+                self._sleep_while(_TAIL, t, _R_SLEEPS, deadline, queue.Empty)
+            if not _TSO:
+                _fence()  # the tail that published the record before the record
+            off = _RECORDS + h % self.capacity * self.record_size
+            seq, k, n = _REC.unpack_from(mem, off)
+            if seq == h + 1 and n <= self.payload_max and k < MAX_PROCS:
+                data = mem[off + _REC_SIZE:off + _REC_SIZE + n]
+                _Q.pack_into(mem, _HEAD, h + 1)
+            else:
+                data = None
+                _Q.pack_into(mem, _HEAD, h + 1)  # stepped over: the ring stays in step
+        finally:
+            _unlock(lock)
+        if _I.unpack_from(mem, _W_SLEEPS)[0]:
+            _futex_wake(_SYS_FUTEX, self._base + _HEAD, _FUTEX_WAKE, 1)
+        if data is None:
+            raise OSError(errno.EBADMSG, f"ring record {h} (place {h % self.capacity}) is "
+                          f"malformed: sequence number {seq} (expected {h + 1}), writer "
+                          f"index {k}, length {n} (at most {self.payload_max}); it was "
+                          "skipped.  Something other than a ring's writer wrote its memory")
+        return data
+
+    def _refusal(self, n: int) -> Exception:
+        if self._mem is None:
+            return ValueError("this ring is closed")
+        return ValueError(f"a message of {n} bytes does not fit a ring record (at most "
+                          f"{self.payload_max} bytes): send it another way, or make the "
+                          "ring with a larger record_size")
+
+    def _take(self, lock: int, rc: int, flag: int, block: bool, deadline: float | None,
+              exc: type[Exception]) -> float | None:
+        """Finish taking ``lock`` after a try-lock returned ``rc``: wait for it (up to
+        ``deadline``; without ``block``, only while its holder is not asleep on the ring,
+        which means the ring is full (empty)), and take it over from a dead owner.
+        ``flag``: this lock's sleeper flag.  Returns ``deadline``."""
+        mem = self._mem
+        assert mem is not None
+        while rc == _EBUSY or rc == _ETIMEDOUT:
+            if not block:
+                if _I.unpack_from(mem, flag)[0]:
+                    raise exc()
+                left = 0.001  # a holder that reads or writes lets go in microseconds
+            elif deadline is None:
+                left = SLICE
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise exc()
+            rc = _lock_for(lock, min(left, SLICE))
+        if rc == _EOWNERDEAD:
+            _consistent(lock)
+            _I.pack_into(mem, flag, 0)  # the dead owner may have been asleep
+            self.recovered += 1
+        elif rc:
+            raise OSError(rc, f"could not take a ring's lock: {os.strerror(rc)}")
+        return deadline
+
+    def _sleep_while(self, off: int, value: int, flag: int, deadline: float | None,
+                     exc: type[Exception]) -> None:
+        """Sleep until the sequence number at ``off`` is no longer ``value`` (the caller
+        holds the lock whose sleeper flag is at ``flag``), or raise ``exc`` at
+        ``deadline``."""
+        mem = self._mem
+        assert mem is not None
+        addr, word = self._base + off, value & _MASK
+        _I.pack_into(mem, flag, 1)
+        try:
+            while _Q.unpack_from(mem, off)[0] == value:
+                if deadline is None:
+                    left = SLICE
+                else:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise exc()
+                _futex_wait(_SYS_FUTEX, addr, _FUTEX_WAIT, word,
+                            _timespec(min(left, SLICE)), None, 0)
+        finally:
+            _I.pack_into(mem, flag, 0)
+
+    def qsize(self) -> int:
+        """The number of messages in the ring (approximate while others use it)."""
+        mem = self._mem
+        if mem is None:
+            raise self._refusal(0)
+        t, h = _TAIL_HEAD.unpack_from(mem, _TAIL)
+        return max(0, min(int(t - h), self.capacity))
+
+    __len__ = qsize
+
+    def empty(self) -> bool:
+        return self.qsize() == 0
+
+    def full(self) -> bool:
+        return self.qsize() == self.capacity
+
+    def _claim_index(self) -> int:
+        """Lock the first free liveness byte from the ring's hint on: this process's index."""
+        mem = self._mem
+        assert mem is not None
+        start: int = _I.unpack_from(mem, _NEXT)[0]
+        for i in range(MAX_PROCS):
+            k = (start + i) % MAX_PROCS
+            try:
+                fcntl.fcntl(self._live, fcntl.F_OFD_SETLK,
+                            _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, LIVE + k, 1, 0))
+            except OSError as e:
+                if e.errno in (errno.EAGAIN, errno.EACCES):
+                    continue
+                raise
+            _I.pack_into(mem, _NEXT, (k + 1) % MAX_PROCS)  # a hint: a race costs a probe
+            return k
+        raise OSError(errno.EUSERS, f"all {MAX_PROCS} process indices of this ring are "
+                      "taken: close rings in processes that no longer use them")
+
+    def alive(self, k: int) -> bool:
+        """Whether process index ``k`` belongs to a process that has this ring now."""
+        if k == self.index:
+            return True
+        got = fcntl.fcntl(self._live, fcntl.F_OFD_GETLK,
+                          _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, LIVE + k, 1, 0))
+        return bool(_FLOCK.unpack(got)[0] != fcntl.F_UNLCK)
+
+    def peers_alive(self) -> bool:
+        """Whether another process has this ring now (one probe of every index)."""
+        got = fcntl.fcntl(self._live, fcntl.F_OFD_GETLK,
+                          _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, LIVE, MAX_PROCS, 0))
+        return bool(_FLOCK.unpack(got)[0] != fcntl.F_UNLCK)
+
+    def _after_fork_in_child(self) -> None:
+        """A new description and index: the inherited description's lock is the parent's
+        (it would outlive the parent while this child keeps the fd)."""
+        if self._mem is None:
+            return
+        old, self._live = self._live, _reopen(self.fd)
+        os.close(old)
+        self.index = self._claim_index()
+
+    def close(self) -> None:
+        """Unmap the ring and close its fds (the caller makes sure no thread of this
+        process is inside ``put`` or ``get``)."""
+        mem, self._mem = self._mem, None
+        _rings.discard(self)
+        self._anchor = None
+        if mem is not None:
+            mem.close()
+        for fd in (self._live, self.fd):
+            if fd >= 0:
+                os.close(fd)
+        self._live = self.fd = -1
+
+    def __enter__(self) -> Ring:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._mem is None else f"{self.qsize()}/{self.capacity}"
+        return (f"<Ring {state}, {self.record_size}-byte records, process index "
+                f"{self.index}>")
+
+
+def _init_robust_mutexes(mem: mmap.mmap, offsets: tuple[int, ...]) -> None:
+    """Make a process-shared robust mutex at each of ``offsets`` of ``mem``."""
+    attr = ctypes.create_string_buffer(64)  # pthread_mutexattr_t: 4 bytes in glibc and musl
+    anchor = ctypes.c_char.from_buffer(mem)
+    try:
+        for call in (_libc.pthread_mutexattr_init(attr),
+                     _libc.pthread_mutexattr_setpshared(attr, 1),  # PTHREAD_PROCESS_SHARED
+                     _libc.pthread_mutexattr_setrobust(attr, 1)):  # PTHREAD_MUTEX_ROBUST
+            if call:
+                raise OSError(call, f"pthread_mutexattr: {os.strerror(call)}")
+        for off in offsets:
+            rc = _libc.pthread_mutex_init(ctypes.c_void_p(ctypes.addressof(anchor) + off),
+                                          attr)
+            if rc:
+                raise OSError(rc, f"pthread_mutex_init: {os.strerror(rc)}")
+        _libc.pthread_mutexattr_destroy(attr)
+    finally:
+        del anchor
+
+
+def _after_fork_in_child() -> None:
+    for ring in list(_rings):
+        ring._after_fork_in_child()
+
+
+if HAVE_RING:
+    os.register_at_fork(after_in_child=_after_fork_in_child)
