@@ -89,6 +89,7 @@ HAVE_RING = (_SYS_FUTEX is not None and hasattr(fcntl, "F_OFD_SETLK")
              and hasattr(os, "memfd_create"))
 
 SLICE = 0.05  # longest sleep between re-checks: bounds a missed wake, lets signals run
+SPIN = float(os.environ.get("SHMTENSOR_RING_SPIN", 50e-6))  # see Ring.spin
 MAX_PROCS = 1 << 16  # process indices per ring
 LIVE = 1 << 40  # byte of the memfd whose lock is process index 0 (locks may lie past EOF)
 
@@ -97,10 +98,15 @@ _VERSION = 1
 _HEADER = struct.Struct("QIII")  # magic, version, capacity, record size
 _W_LOCK, _R_LOCK = 64, 128
 _TAIL, _HEAD, _R_SLEEPS, _W_SLEEPS, _NEXT = 192, 200, 208, 212, 216
+# The same words as items of the mapping cast to 8-byte (4-byte) words.  Words that other
+# processes read while one writes go through these: a memoryview stores an item with one
+# machine store, where ``struct.pack_into`` first zeroes the bytes it packs (a reader could
+# see the tail at 0 in between).
+_TAIL_Q, _HEAD_Q = _TAIL // 8, _HEAD // 8
+_R_SLEEPS_I, _W_SLEEPS_I, _NEXT_I = _R_SLEEPS // 4, _W_SLEEPS // 4, _NEXT // 4
 _RECORDS = 256
 _Q = struct.Struct("Q")
 _I = struct.Struct("I")
-_TAIL_HEAD = struct.Struct("QQ")
 _REC = struct.Struct("QII")  # sequence number, writer's process index, length
 _REC_SIZE = _REC.size
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64 and aarch64
@@ -195,7 +201,7 @@ class Ring:
     ``queue.Full`` and ``queue.Empty``."""
 
     __slots__ = ("fd", "capacity", "record_size", "payload_max", "index", "recovered",
-                 "_mem", "_anchor", "_base", "_live", "__weakref__")
+                 "spin", "_hot", "_mem", "_q", "_i", "_anchor", "_base", "_live", "__weakref__")
 
     fd: int
     capacity: int
@@ -211,7 +217,11 @@ class Ring:
         _, _, self.capacity, self.record_size = _HEADER.unpack_from(mem, 0)
         self.payload_max = self.record_size - _REC_SIZE
         self.recovered = 0  # locks this process took over from a dead owner
+        self.spin = SPIN
+        self._hot = True
         # held for the mapping's life: the mmap cannot be closed under the addresses
+        self._q: memoryview | None = memoryview(mem).cast("Q")
+        self._i: memoryview | None = memoryview(mem).cast("I")
         self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(mem)
         self._base = ctypes.addressof(self._anchor)
         self._live = -1
@@ -290,63 +300,64 @@ class Ring:
         if type(data) is not bytes:
             data = memoryview(data).cast("B")
         n = len(data)
-        mem = self._mem
-        if n > self.payload_max or mem is None:
+        mem, q, words = self._mem, self._q, self._i
+        if n > self.payload_max or mem is None or q is None or words is None:
             raise self._refusal(n)
         lock = self._base + _W_LOCK
         deadline: float | None = _LATER
         rc = _trylock(lock)
         if rc:
-            deadline = self._take(lock, rc, _W_SLEEPS, block, _deadline(block, timeout),
+            deadline = self._take(lock, rc, _W_SLEEPS_I, block, _deadline(block, timeout),
                                   queue.Full)
         try:
-            t, h = _TAIL_HEAD.unpack_from(mem, _TAIL)
-            if t - h >= self.capacity:
+            t = q[_TAIL_Q]
+            if t - q[_HEAD_Q] >= self.capacity:
                 if deadline == _LATER:
                     deadline = _deadline(block, timeout)
-                self._sleep_while(_HEAD, h, _W_SLEEPS, deadline, queue.Full)
+                self._sleep_while(_HEAD_Q, t - self.capacity, _W_SLEEPS_I, deadline,
+                                  queue.Full)
             off = _RECORDS + t % self.capacity * self.record_size
             _REC.pack_into(mem, off, t + 1, self.index, n)
             mem[off + _REC_SIZE:off + _REC_SIZE + n] = data
             if not _TSO:
                 _fence()  # the record before the tail that publishes it
-            _Q.pack_into(mem, _TAIL, t + 1)
+            q[_TAIL_Q] = t + 1
         finally:
             _unlock(lock)
-        if _I.unpack_from(mem, _R_SLEEPS)[0]:
+        if words[_R_SLEEPS_I]:
             _futex_wake(_SYS_FUTEX, self._base + _TAIL, _FUTEX_WAKE, 1)
 
     def get(self, block: bool = True, timeout: float | None = None) -> bytes:
         """Take the oldest message; with an empty ring, wait for one (``block``, up to
         ``timeout`` seconds) or raise ``queue.Empty``."""
-        mem = self._mem
-        if mem is None:
+        mem, q, words = self._mem, self._q, self._i
+        if mem is None or q is None or words is None:
             raise self._refusal(0)
         lock = self._base + _R_LOCK
         deadline: float | None = _LATER
         rc = _trylock(lock)
         if rc:
-            deadline = self._take(lock, rc, _R_SLEEPS, block, _deadline(block, timeout),
+            deadline = self._take(lock, rc, _R_SLEEPS_I, block, _deadline(block, timeout),
                                   queue.Empty)
         try:
-            t, h = _TAIL_HEAD.unpack_from(mem, _TAIL)
-            if h == t:
+            h = q[_HEAD_Q]
+            if q[_TAIL_Q] == h:
                 if deadline == _LATER:
                     deadline = _deadline(block, timeout)
-                self._sleep_while(_TAIL, t, _R_SLEEPS, deadline, queue.Empty)
+                self._sleep_while(_TAIL_Q, h, _R_SLEEPS_I, deadline, queue.Empty)
             if not _TSO:
                 _fence()  # the tail that published the record before the record
             off = _RECORDS + h % self.capacity * self.record_size
             seq, k, n = _REC.unpack_from(mem, off)
             if seq == h + 1 and n <= self.payload_max and k < MAX_PROCS:
                 data = mem[off + _REC_SIZE:off + _REC_SIZE + n]
-                _Q.pack_into(mem, _HEAD, h + 1)
+                q[_HEAD_Q] = h + 1
             else:
                 data = None
-                _Q.pack_into(mem, _HEAD, h + 1)  # stepped over: the ring stays in step
+                q[_HEAD_Q] = h + 1  # stepped over: the ring stays in step
         finally:
             _unlock(lock)
-        if _I.unpack_from(mem, _W_SLEEPS)[0]:
+        if words[_W_SLEEPS_I]:
             _futex_wake(_SYS_FUTEX, self._base + _HEAD, _FUTEX_WAKE, 1)
         if data is None:
             raise OSError(errno.EBADMSG, f"ring record {h} (place {h % self.capacity}) is "
@@ -367,12 +378,12 @@ class Ring:
         """Finish taking ``lock`` after a try-lock returned ``rc``: wait for it (up to
         ``deadline``; without ``block``, only while its holder is not asleep on the ring,
         which means the ring is full (empty)), and take it over from a dead owner.
-        ``flag``: this lock's sleeper flag.  Returns ``deadline``."""
-        mem = self._mem
-        assert mem is not None
+        ``flag``: this lock's sleeper flag (an index of ``_i``).  Returns ``deadline``."""
+        words = self._i
+        assert words is not None
         while rc == _EBUSY or rc == _ETIMEDOUT:
             if not block:
-                if _I.unpack_from(mem, flag)[0]:
+                if words[flag]:
                     raise exc()
                 left = 0.001  # a holder that reads or writes lets go in microseconds
             elif deadline is None:
@@ -384,41 +395,54 @@ class Ring:
             rc = _lock_for(lock, min(left, SLICE))
         if rc == _EOWNERDEAD:
             _consistent(lock)
-            _I.pack_into(mem, flag, 0)  # the dead owner may have been asleep
+            words[flag] = 0  # the dead owner may have been asleep
             self.recovered += 1
         elif rc:
             raise OSError(rc, f"could not take a ring's lock: {os.strerror(rc)}")
         return deadline
 
-    def _sleep_while(self, off: int, value: int, flag: int, deadline: float | None,
+    def _sleep_while(self, word: int, value: int, flag: int, deadline: float | None,
                      exc: type[Exception]) -> None:
-        """Sleep until the sequence number at ``off`` is no longer ``value`` (the caller
-        holds the lock whose sleeper flag is at ``flag``), or raise ``exc`` at
-        ``deadline``."""
-        mem = self._mem
-        assert mem is not None
-        addr, word = self._base + off, value & _MASK
-        _I.pack_into(mem, flag, 1)
+        """Wait until the sequence number ``_q[word]`` is no longer ``value`` (the caller
+        holds the lock whose sleeper flag is ``_i[flag]``), or raise ``exc`` at
+        ``deadline``: spin for up to :attr:`spin` seconds while waits have been that short,
+        then sleep on the word's futex."""
+        q, words = self._q, self._i
+        assert q is not None and words is not None
+        spin = self.spin
+        if spin and self._hot and deadline != 0.0:
+            clock, pause = time.monotonic, os.sched_yield
+            end = clock() + spin
+            while q[word] == value:
+                if clock() > end:
+                    self._hot = False  # waited past the budget: sleep at once next time
+                    break
+                pause()
+            else:
+                return
+        addr, expected = self._base + 8 * word, value & _MASK
+        began = time.monotonic()
+        words[flag] = 1
         try:
-            while _Q.unpack_from(mem, off)[0] == value:
+            while q[word] == value:
                 if deadline is None:
                     left = SLICE
                 else:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise exc()
-                _futex_wait(_SYS_FUTEX, addr, _FUTEX_WAIT, word,
+                _futex_wait(_SYS_FUTEX, addr, _FUTEX_WAIT, expected,
                             _timespec(min(left, SLICE)), None, 0)
         finally:
-            _I.pack_into(mem, flag, 0)
+            words[flag] = 0
+        self._hot = time.monotonic() - began <= spin  # a short sleep: spin next time
 
     def qsize(self) -> int:
         """The number of messages in the ring (approximate while others use it)."""
-        mem = self._mem
-        if mem is None:
+        q = self._q
+        if q is None:
             raise self._refusal(0)
-        t, h = _TAIL_HEAD.unpack_from(mem, _TAIL)
-        return max(0, min(int(t - h), self.capacity))
+        return max(0, min(int(q[_TAIL_Q] - q[_HEAD_Q]), self.capacity))
 
     __len__ = qsize
 
@@ -430,9 +454,9 @@ class Ring:
 
     def _claim_index(self) -> int:
         """Lock the first free liveness byte from the ring's hint on: this process's index."""
-        mem = self._mem
-        assert mem is not None
-        start: int = _I.unpack_from(mem, _NEXT)[0]
+        words = self._i
+        assert words is not None
+        start = int(words[_NEXT_I])
         for i in range(MAX_PROCS):
             k = (start + i) % MAX_PROCS
             try:
@@ -442,7 +466,7 @@ class Ring:
                 if e.errno in (errno.EAGAIN, errno.EACCES):
                     continue
                 raise
-            _I.pack_into(mem, _NEXT, (k + 1) % MAX_PROCS)  # a hint: a race costs a probe
+            words[_NEXT_I] = (k + 1) % MAX_PROCS  # a hint: a race costs a probe
             return k
         raise OSError(errno.EUSERS, f"all {MAX_PROCS} process indices of this ring are "
                       "taken: close rings in processes that no longer use them")
@@ -476,6 +500,10 @@ class Ring:
         mem, self._mem = self._mem, None
         _rings.discard(self)
         self._anchor = None
+        for view in (self._q, self._i):
+            if view is not None:
+                view.release()
+        self._q = self._i = None
         if mem is not None:
             mem.close()
         for fd in (self._live, self.fd):

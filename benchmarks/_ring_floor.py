@@ -1,0 +1,175 @@
+"""The ring (``shmtensor.ipc.ring``) against the stdlib and the fan-in floor, in one run.
+
+``python -m benchmarks._ring_floor [ROUNDS]``: each round runs, interleaved:
+
+* fan-in, 8 spawned producers x ``COUNT`` items -> 1 consumer, 1 KiB messages:
+  the stdlib's ``multiprocessing.Queue(64)`` carrying 1 KiB ``bytes``; the ring (64
+  records of 1,040 bytes); and the floor of ``benchmarks._fanin_floor`` (32-byte records
+  counted by two semaphores, no crash safety, nothing carried);
+* round trip of 1 KiB ``bytes`` between two processes: the stdlib's ``Pipe``
+  (``send_bytes``/``recv_bytes``, its fastest path) and ``Queue``, and two rings.
+
+Each line is one session: items/s or microseconds per round trip, with the 1-minute load
+average at its start.  Written on the 2-vCPU session VM (x86-64, Python 3.11); the numbers
+in the report of issue 27's ring come from there.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import time
+
+import psutil
+
+from shmtensor.ipc.ring import Ring
+
+from . import _fanin_floor
+from ._harness import check_exit_codes, stop_processes
+
+PRODUCERS = _fanin_floor.PRODUCERS
+COUNT = _fanin_floor.COUNT
+CAPACITY = 64
+PAYLOAD = bytes(range(256)) * 4  # 1 KiB
+TRIPS = 2000
+
+
+def _attach(pid: int, fd: int) -> Ring:
+    """The ring whose memfd is ``fd`` in process ``pid`` (spawned children inherit nothing)."""
+    own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        return Ring.attach(own)
+    finally:
+        os.close(own)
+
+
+def _ring_producer(pid: int, fd: int, ready, go) -> None:
+    ring = _attach(pid, fd)
+    put, data = ring.put, PAYLOAD
+    ready.put(None)
+    go.wait()
+    for _ in range(COUNT):
+        put(data)
+    ring.close()
+
+
+def _queue_producer(q, ready, go) -> None:
+    ready.put(None)
+    go.wait()
+    for _ in range(COUNT):
+        q.put(PAYLOAD)
+
+
+def fan_in(kind: str) -> float:
+    """Items/s of 8 producers -> 1 consumer."""
+    if kind == "floor":
+        return float(_fanin_floor.session("ring", "32-byte record")["rate"])
+    ctx = multiprocessing.get_context("spawn")
+    ready, go = ctx.SimpleQueue(), ctx.Event()
+    ring = q = None
+    if kind == "ring":
+        ring = Ring.create(CAPACITY, 1024 + 16)
+        procs = [ctx.Process(target=_ring_producer, args=(os.getpid(), ring.fd, ready, go))
+                 for _ in range(PRODUCERS)]
+    else:
+        q = ctx.Queue(CAPACITY)
+        procs = [ctx.Process(target=_queue_producer, args=(q, ready, go))
+                 for _ in range(PRODUCERS)]
+    n = PRODUCERS * COUNT
+    try:
+        for p in procs:
+            p.start()
+        for _ in procs:
+            ready.get()
+        go.set()
+        t0 = time.perf_counter()
+        if ring is not None:
+            get = ring.get
+            for _ in range(n):
+                get(timeout=60)
+        else:
+            assert q is not None
+            for _ in range(n):
+                q.get(timeout=60)
+        elapsed = time.perf_counter() - t0
+    finally:
+        stop_processes(procs, 60)
+        if ring is not None:
+            ring.close()
+    check_exit_codes(procs, "producers")
+    return n / elapsed
+
+
+def _ring_echo(pid: int, there: int, back: int) -> None:
+    inbox, outbox = _attach(pid, there), _attach(pid, back)
+    for _ in range(TRIPS + 1):
+        outbox.put(inbox.get(timeout=60))
+    inbox.close()
+    outbox.close()
+
+
+def _pipe_echo(conn) -> None:
+    for _ in range(TRIPS + 1):
+        conn.send_bytes(conn.recv_bytes())
+
+
+def _queue_echo(there, back) -> None:
+    for _ in range(TRIPS + 1):
+        back.put(there.get(timeout=60))
+
+
+def round_trip(kind: str) -> float:
+    """Microseconds per round trip of 1 KiB between two processes."""
+    ctx = multiprocessing.get_context("spawn")
+    rings: list[Ring] = []
+    if kind == "ring":
+        rings = [Ring.create(CAPACITY, 1024 + 16), Ring.create(CAPACITY, 1024 + 16)]
+        there, back = rings
+        proc = ctx.Process(target=_ring_echo, args=(os.getpid(), there.fd, back.fd))
+        send, recv = there.put, back.get
+    elif kind == "Pipe":
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_pipe_echo, args=(theirs,))
+        send, recv = mine.send_bytes, mine.recv_bytes
+    else:
+        qt, qb = ctx.Queue(CAPACITY), ctx.Queue(CAPACITY)
+        proc = ctx.Process(target=_queue_echo, args=(qt, qb))
+        send, recv = qt.put, qb.get
+    try:
+        proc.start()
+        send(PAYLOAD)
+        recv()  # the echo is up and both sides are warm
+        t0 = time.perf_counter()
+        for _ in range(TRIPS):
+            send(PAYLOAD)
+            recv()
+        elapsed = time.perf_counter() - t0
+    finally:
+        stop_processes([proc], 60)
+        for ring in rings:
+            ring.close()
+    check_exit_codes([proc], "echo")
+    return elapsed / TRIPS * 1e6
+
+
+FAN_IN = ["stdlib Queue(64)", "ring", "floor"]
+ROUND_TRIP = ["Pipe", "Queue", "ring"]
+
+
+def main(rounds: int) -> None:
+    print(f"fan-in: {PRODUCERS} producers x {COUNT} items of 1 KiB -> 1 consumer, capacity "
+          f"{CAPACITY}; round trip: {TRIPS} x 1 KiB; {os.cpu_count()} CPUs", flush=True)
+    for r in range(rounds):
+        for kind in FAN_IN:
+            load = psutil.getloadavg()[0]
+            print(f"round {r + 1}  fan-in     {kind:<18} {fan_in(kind):9.0f} items/s   "
+                  f"(load {load:.2f})", flush=True)
+        for kind in ROUND_TRIP:
+            load = psutil.getloadavg()[0]
+            print(f"round {r + 1}  round trip {kind:<18} {round_trip(kind):9.1f} us        "
+                  f"(load {load:.2f})", flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)
