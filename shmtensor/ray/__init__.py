@@ -33,10 +33,12 @@ from ._host import SenderGone, host_id
 
 if TYPE_CHECKING:
     from ray._private.worker import BaseContext
+
+    from ._lost import ArrayLostError
     from ray.util.multiprocessing import Pool as RayPool
 
 __all__ = ["init", "register", "runtime_env", "Pool", "host_id", "SenderGone",
-           "exports_held", "SETUP_HOOK"]
+           "ArrayLostError", "exports_held", "SETUP_HOOK"]
 
 SETUP_HOOK = "shmtensor.ray._setup_worker"
 
@@ -60,7 +62,9 @@ def register() -> None:
     """Register shmtensor's serializers for numpy (and CuPy, once imported) arrays with
     Ray in this process.  Idempotent; needs this process connected to Ray."""
     ray = _ray()
+    from . import _lost
     with _lock:
+        _lost.unwrap_lost()
         if "numpy" not in _registered:
             ray.util.register_serializer(np.ndarray, serializer=_numpy.serialize,
                                          deserializer=_numpy.deserialize)
@@ -122,10 +126,14 @@ def runtime_env(env: dict[str, Any] | None = None) -> dict[str, Any]:
 
 def init(*args: Any, **kwargs: Any) -> BaseContext:
     """``ray.init`` with shmtensor's serializers registered in this process and, through
-    the job's runtime_env, in every worker.  Returns what ``ray.init`` returns."""
+    the job's runtime_env, in every worker, and an agent started on every node (what
+    reads shared arrays there for other hosts; they end with the job).  Returns what
+    ``ray.init`` returns."""
     kwargs["runtime_env"] = runtime_env(kwargs.get("runtime_env"))
     info: BaseContext = _ray().init(*args, **kwargs)
     register()
+    from . import _agent
+    _agent.start()
     return info
 
 
@@ -184,11 +192,15 @@ def _make_pool_class() -> type[RayPool]:
     return Pool
 
 
-def __getattr__(name: str) -> type[RayPool]:
+def __getattr__(name: str) -> type[RayPool] | type[ArrayLostError]:
     if name == "Pool":  # a subclass of Ray's pool: made when first asked for
         if not _pool_class:
             _pool_class.append(_make_pool_class())
         return _pool_class[0]
+    if name == "ArrayLostError":  # a Ray exception: needs Ray imported
+        _ray()
+        from ._lost import ArrayLostError
+        return ArrayLostError
     raise AttributeError(f"module 'shmtensor.ray' has no attribute {name!r}")
 
 

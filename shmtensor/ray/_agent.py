@@ -1,20 +1,36 @@
-"""The per-node agent: reads a shared array on its node and sends it by value through Ray.
+"""The per-node agents: each reads shared arrays on its node for receivers on other hosts.
 
 A receiver on another host cannot map the sender's memory; it asks the agent of the
-sender's node (a detached actor named ``shmtensor-agent-<node id>`` in namespace
-``shmtensor``, no CPU reserved, made on first need) for a copy.  The agent attaches the
-memory as any receiver on that host does, so the sender's export (held while the handle's
-pin lives, and the receiver holds the pin while it asks) keeps the memory meanwhile.
+sender's node (an actor named ``shmtensor-agent-<job id>-<node id>`` in namespace
+``shmtensor``, no CPU reserved) for the data.  The agent attaches the memory as any
+receiver on that host does (the sender's export, held while the handle's pin lives, and
+the receiver holds the pin while it asks, keeps the memory meanwhile), copies it into
+Ray's object store on its node (``ray.put``) and hands back the ObjectRef: the bytes
+cross hosts by Ray's own object transfer, and a failure on the way is Ray's own error.
+
+Agents belong to the job: :func:`start` (``shmtensor.ray.init``) starts one per node as
+actors of the driver, so they end with the job; a node that joins later, or a job that
+did not call ``init``, gets its agent on first need, owned by the process that asked (it
+ends with that process, and the next need starts another).
+
+A fetch whose origin node died raises :class:`ArrayLostError`, an ``ObjectLostError``
+naming the node; :func:`unwrap_lost` makes Ray's ``ray.get`` raise it as it is, rather
+than wrapped in a ``RaySystemError`` as Ray wraps every error of a deserializer.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 
 import numpy as np
 
+from . import _host
+
 if TYPE_CHECKING:
+    from ray import ObjectRef
     from ray.actor import ActorHandle
     from typing_extensions import Buffer
 
@@ -22,11 +38,15 @@ if TYPE_CHECKING:
     from ._numpy import Handle
 
 NAMESPACE = "shmtensor"
+# How long a fetch that failed waits for Ray to say whether the origin node is dead (Ray's
+# health checks decide; by default a node is declared dead within ~15 s)
+NODE_VERDICT_S = 60.0
 _lock = threading.Lock()
 
 
 class Raw:
-    """An array's bytes, sent out of band (one copy into the object store, read there)."""
+    """An array's bytes, by value whatever its memory (a shared array would otherwise be
+    sent as a handle): one out-of-band buffer, copied into the object store, read there."""
 
     __slots__ = ("array",)
 
@@ -35,7 +55,7 @@ class Raw:
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         import pickle
-        a = self.array
+        a = np.ascontiguousarray(self.array)
         # an ndarray has the buffer protocol: numpy's stubs say so from Python 3.12 on only
         return _raw_rebuild, (
             pickle.PickleBuffer(a.reshape(-1).view(np.uint8)),  # type: ignore[arg-type]
@@ -48,36 +68,139 @@ def _raw_rebuild(buf: Buffer, dtype: np.dtype[Any], shape: tuple[int, ...]) -> n
 
 
 class Agent:
-    def read(self, handle: Handle | CudaHandle) -> Raw:
+    def read(self, handle: Handle | CudaHandle) -> list[ObjectRef[np.ndarray]]:
+        """The handle's data put into this node's object store (in a list: Ray hands an
+        ObjectRef in a list back as it is, not resolved)."""
+        import ray
+
         from . import _cupy, _numpy
         if isinstance(handle, _cupy.CudaHandle):
-            return Raw(_cupy.read_for_agent(handle))
-        return Raw(_numpy.read_for_agent(handle))
+            data = _cupy.read_for_agent(handle)
+        else:
+            data = _numpy.attach(handle)  # a view of the sender's memory: put copies it
+        return [ray.put(Raw(data))]  # type: ignore[arg-type]  # Raw: an array, rebuilt
 
     def ping(self) -> bool:
         return True
 
 
+def _name(job_id: str, node_id: str) -> str:
+    return f"shmtensor-agent-{job_id}-{node_id}"
+
+
+# The handles of the agents this process started.  A non-detached actor ends when its
+# creator's handles are gone, so they are kept; never dropped, as an actor handle released
+# while connected to a later Ray session would be counted against that session (at exit,
+# after Ray's shutdown, releasing one does nothing).
+_held: list[Any] = []
+
+
+def _spawn(ray: Any, job_id: str, node_id: str) -> ActorHandle[Agent]:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    # an actor handle (Ray's stubs also allow type[Agent])
+    handle = cast("ActorHandle[Agent]", ray.remote(Agent).options(
+        name=_name(job_id, node_id), namespace=NAMESPACE, get_if_exists=True,
+        num_cpus=0, max_concurrency=8,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        # CuPy arrays: the agent needs the node's GPUs visible, though it reserves none
+        runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
+    ).remote())
+    _held.append(handle)
+    return handle
+
+
+def _nodes() -> list[dict[str, Any]]:
+    """Ray's table of nodes, dead ones included (one GCS call)."""
+    import ray
+    nodes: Callable[[], list[dict[str, Any]]] = ray.nodes  # untyped in Ray
+    return nodes()
+
+
+def start() -> int:
+    """Start an agent on every alive node, as actors of this process (the driver: named
+    actors, they live until the job ends, whatever becomes of the handles).  Returns how
+    many; their start is not waited for."""
+    import ray
+    job = ray.get_runtime_context().get_job_id()
+    nodes = [n["NodeID"] for n in _nodes() if n.get("Alive")]
+    with _lock:
+        for node in nodes:
+            _spawn(ray, job, node)
+    return len(nodes)
+
+
 def agent_for(node_id: str) -> ActorHandle[Agent]:
-    """The agent actor of node ``node_id`` (started there on first need).
+    """The agent actor of node ``node_id`` in this job (started there if it has none).
 
     Not cached here: a handle kept past ``ray.shutdown`` (or into another cluster) is
     stale, and one released at interpreter exit, after Ray's shutdown, ends the process
     with an error from Ray's core worker.  Looking it up is one GCS call."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    job = ray.get_runtime_context().get_job_id()
+    try:
+        return cast("ActorHandle[Agent]", ray.get_actor(_name(job, node_id), NAMESPACE))
+    except ValueError:
+        pass
     with _lock:  # one creation at a time in this process (get_if_exists does the rest)
-        # an actor handle (Ray's stubs also allow type[Agent])
-        return cast("ActorHandle[Agent]", ray.remote(Agent).options(
-            name=f"shmtensor-agent-{node_id}", namespace=NAMESPACE, get_if_exists=True,
-            lifetime="detached", num_cpus=0, max_concurrency=8,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            # CuPy arrays: the agent needs the node's GPUs visible, though it reserves none
-            runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
-        ).remote())
+        return _spawn(ray, job, node_id)
+
+
+def live_agents() -> list[str]:
+    """The names of the agents alive in the cluster (tests)."""
+    import ray
+    from ray._private import state
+    table = state.state.actor_table(None)
+    return sorted(a.get("Name", "") for a in table.values()
+                  if a.get("Name", "").startswith("shmtensor-agent-")
+                  and a.get("State") == "ALIVE")
+
+
+def _node_dead(node_id: str, wait: float) -> dict[str, Any] | None:
+    """Ray's record of ``node_id`` once Ray declares it dead within ``wait`` seconds, else
+    None (alive)."""
+    deadline = time.monotonic() + wait
+    while True:
+        info = next((n for n in _nodes() if n["NodeID"] == node_id), None)
+        if info is None or not info.get("Alive"):
+            return info or {"NodeID": node_id}
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.2)
 
 
 def fetch(node_id: str, handle: Handle | CudaHandle) -> np.ndarray:
-    """The data of ``handle`` (sent from node ``node_id``), read-only, by value."""
+    """The data of ``handle`` (sent from node ``node_id``), read-only, by value.
+
+    Raises :class:`ArrayLostError` when that node is dead (as Ray raises ObjectLostError
+    for an object stored only there) and :class:`SenderGone` when the sender exited before
+    the agent attached; an agent that died alone on a live node is replaced once."""
     import ray
-    return cast("np.ndarray", ray.get(agent_for(node_id).read.remote(handle)))  # a Raw, rebuilt
+    from ray.exceptions import RayError, RayTaskError
+    for attempt in range(2):
+        try:
+            refs = ray.get(agent_for(node_id).read.remote(handle))
+            return cast("np.ndarray", ray.get(refs[0]))
+        except RayTaskError as e:  # the read itself failed on the agent
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, (_host.SenderGone, _host.NotReachable)):
+                raise type(cause)(*cause.args) from None
+            raise
+        except RayError as e:
+            dead = _node_dead(node_id, NODE_VERDICT_S if attempt else 0.0)
+            if dead is not None:
+                raise lost(node_id, dead, e) from None
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
+
+
+def lost(node_id: str, info: dict[str, Any], cause: BaseException) -> Exception:
+    """The ArrayLostError for the object being deserialized, its array's node dead."""
+    from ray._private import worker
+
+    from ._lost import ArrayLostError
+    context: Callable[[], Any] = worker.global_worker.get_serialization_context  # untyped
+    ref = context().get_outer_object_ref()
+    where = info.get("NodeManagerAddress") or "?"
+    return ArrayLostError(ref.hex() if ref is not None else "?", node_id,
+                          f"{where}; {type(cause).__name__}")

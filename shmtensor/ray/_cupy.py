@@ -59,12 +59,14 @@ def _cupy() -> Any:
     return cupy
 
 
-def serialize(arr: Any) -> tuple[str, CudaHandle, Pin] | tuple[str, tuple[Any, ...]]:
+def serialize(arr: Any) -> tuple[Any, ...]:
     """Ray's serializer for ``cupy.ndarray``."""
     import ray
     if ray.is_initialized() and arr.size:
         try:
-            return export(arr)
+            exported = export(arr)
+            padding = _exports.pad()  # see there: a worker's result lives on its node
+            return exported if padding is None else (*exported, padding)
         except cuda_ipc.CudaIpcError:
             pass
         except Exception as e:  # cudaIpcGetMemHandle refuses VMM or managed memory

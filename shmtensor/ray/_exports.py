@@ -345,9 +345,29 @@ def wait_released(timeout: float) -> bool:
     return True
 
 
+# A handle is a few hundred bytes, which Ray would keep inline, in its owner's memory: a
+# worker's task result, then, does not live on the worker's node, and Ray would never see
+# it lost with that node (nor re-run the task that made it).  In a worker each serialized
+# form carries this padding, one past Ray's inline limit, so that the object is stored in
+# the node's object store as a plain array would be.  One object for the process: pickle
+# writes it once per serialized object, however many arrays that holds.
+_pad: list[bytes] = []
+
+
+def pad() -> bytes | None:
+    """The padding for a serialized form made in this process (None in a driver)."""
+    from ray._private import worker
+    if getattr(worker.global_worker, "mode", None) != worker.WORKER_MODE:
+        return None
+    if not _pad:
+        limit = int(os.environ.get("RAY_max_direct_call_object_size", 100 << 10))
+        _pad.append(bytes(limit + 1))
+    return _pad[0]
+
+
 def deserializer(rebuild: Callable[[Any], object]) -> Callable[[tuple[Any, ...]], object]:
-    """Ray's deserializer for a payload of :func:`by_value` or ``("s", handle, pin)``:
-    ``rebuild(handle)`` for the second."""
+    """Ray's deserializer for a payload ``("p", reduction)`` or ``("s", handle, pin[,
+    padding])``: ``rebuild(handle)`` for the second."""
     def deserialize(payload: tuple[Any, ...]) -> object:
         if payload[0] == "p":
             red = payload[1]

@@ -11,7 +11,7 @@ A handle is rebuilt on the sender's host as a view of the same segment, writable
 ways: the receiver reopens the sender's lease description and memfd through
 ``/proc/PID/fd`` (a named segment by its name) and holds the segment's lease as any
 shmtensor receiver does.  On another host, the data comes by value from the agent of the
-sender's node (:mod:`._agent`) and lands in a shared segment of the receiver's host, so it
+sender's node (:mod:`._agent`, through Ray's object store) and lands in a shared segment of the receiver's host, so it
 crosses that host zero-copy from then on.
 """
 
@@ -82,14 +82,16 @@ def _plain(a: np.ndarray) -> tuple[Any, ...]:
     return cast("tuple[Any, ...]", a.__reduce_ex__(5))  # a tuple
 
 
-def serialize(a: np.ndarray) -> tuple[str, Handle, Pin] | tuple[str, tuple[Any, ...]]:
-    """Ray's serializer for ``np.ndarray``: ``("s", handle, pin)`` for a shared array this
-    process can export, else ``("p", numpy's own reduction)``."""
+def serialize(a: np.ndarray) -> tuple[Any, ...]:
+    """Ray's serializer for ``np.ndarray``: ``("s", handle, pin[, padding])`` for a shared
+    array this process can export (``_exports.pad``), else ``("p", numpy's own
+    reduction)``."""
     seg = _segments.segment_of(a) if a.base is not None else None
     if seg is not None:
         exported = export(a, seg)
         if exported is not None:
-            return exported
+            padding = _exports.pad()
+            return exported if padding is None else (*exported, padding)
     return ("p", _plain(a))
 
 
@@ -184,11 +186,6 @@ def rebuild(h: Handle) -> np.ndarray:
     if not h.writeable:
         out.flags.writeable = False
     return out
-
-
-def read_for_agent(h: Handle) -> np.ndarray:
-    """The handle's data, for the agent to send by value."""
-    return np.ascontiguousarray(attach(h))
 
 
 deserialize = _exports.deserializer(rebuild)  # Ray's deserializer: by value, or rebuild()
