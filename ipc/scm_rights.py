@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-__all__ = ["HAVE_SCM_RIGHTS", "MAX_FDS", "ATOMIC_MAX", "send_frame", "try_send_frame",
+__all__ = ["HAVE_SCM_RIGHTS", "MAX_FDS", "ATOMIC_MAX", "at_once", "send_frame", "try_send_frame",
            "recv_frame", "FrameReader", "Frame", "FrameTooLong", "SpinWait", "close_fds"]
 
 HAVE_SCM_RIGHTS = hasattr(socket, "SCM_RIGHTS") and hasattr(socket.socket, "sendmsg")
@@ -90,10 +90,16 @@ def _finish(sock: socket.socket, header: bytes, data: bytes | memoryview, sent: 
         sock.sendall(memoryview(header + bytes(data))[sent:])
 
 
+def at_once(n: int, fds: int) -> bool:
+    """Whether a frame of ``n`` bytes with ``fds`` fds is one :func:`try_send_frame` can
+    send (whole, or not at all)."""
+    return fds <= MAX_FDS and n + _WITH_FDS.size <= ATOMIC_MAX
+
+
 def try_send_frame(sock: socket.socket, data: ReadableBuffer, fds: Sequence[int] = ()) -> bool:
-    """Send a frame of at most ``ATOMIC_MAX`` bytes now if the socket has room (False,
-    nothing sent, if it has not): lets a queue skip its feeder thread while the reader
-    keeps up."""
+    """Send a frame that :func:`at_once` admits now if the socket has room (False, nothing
+    sent, if it has not, or if the frame is larger): lets a queue skip its feeder thread
+    while the reader keeps up."""
     if type(data) is not bytes:
         data = memoryview(data).cast("B")
     n = len(data)

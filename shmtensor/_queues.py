@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import errno
 import os
+import select
 import sys
 import threading
 import time
@@ -163,6 +164,8 @@ class _ShmQueue(_QueueBase):
         super()._reset(after_fork)
         self._turn = _read_turn()  # this process's side of the read lock
         self._unsent = [0]     # frames given to the feeder and not yet sent (under _notempty)
+        # who takes frames off the buffer to send them: the feeder, or a put helping it
+        self._sending = threading.Lock()
         # send failures the feeder met, not yet raised (under _notempty)
         self._failures: list[BaseException] = []
 
@@ -247,6 +250,34 @@ class _ShmQueue(_QueueBase):
             self._unsent[0] += 1
             self._buffer.append(item)
             self._notempty.notify()
+        self._help_send()
+
+    def _help_send(self) -> None:
+        """Send what the feeder has not sent yet, in order, as far as the socket takes it
+        now, unless the feeder is sending: a producer that puts faster than its reader
+        reads does not leave the sending to a thread that waits for the GIL after every
+        frame (it gets it only when this thread lets go), so its reader is not starved
+        meanwhile.  Never blocks: the write lock is only tried, and a frame the socket
+        does not take (full, too large, or an error) is left to the feeder, which reports
+        errors as the stdlib's does."""
+        sending, buffer = self._sending, self._buffer
+        if not buffer or not sending.acquire(False):
+            return
+        try:
+            while buffer:
+                item = buffer[0]
+                if type(item) is not Frame:
+                    return
+                try:
+                    if not _try_send(item, self._writer, self._wlock, False):
+                        return
+                except Exception:
+                    return  # the frame is whole: the feeder meets the error and reports it
+                buffer.popleft()
+                with self._notempty:
+                    self._unsent[0] -= 1
+        finally:
+            sending.release()
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         """The stdlib's, receiving a frame with its fds."""
@@ -334,7 +365,7 @@ class _ShmQueue(_QueueBase):
             args=(self._buffer, self._notempty, self._writer, self._wlock,
                   self._reader.close, self._writer.close, self._ignore_epipe,
                   self._on_queue_feeder_error, self._sem, self._unsent,
-                  self._failures if self._raise_later else None),
+                  self._failures if self._raise_later else None, self._sending),
             name="QueueFeederThread", daemon=True)
         try:
             self._thread.start()
@@ -353,35 +384,45 @@ class _ShmQueue(_QueueBase):
               writelock: Lock | None, reader_close: Callable[[], None],
               writer_close: Callable[[], None], ignore_epipe: bool,
               onerror: Callable[[BaseException, object], None], queue_sem: BoundedSemaphore,
-              unsent: list[int], failures: list[BaseException] | None) -> None:
+              unsent: list[int], failures: list[BaseException] | None,
+              sending: threading.Lock) -> None:
         """The stdlib's ``Queue._feed``, sending the frames ``put`` made.  On an error it
         does what the stdlib's does (EPIPE ignored when asked, nothing reported while the
         process exits, else the semaphore given back and ``onerror(e, obj)`` called), and
-        a send that failed is also recorded in ``failures``."""
+        a send that failed is also recorded in ``failures``.  A frame the socket has no
+        room for now goes back to the head of the buffer while the feeder waits for room,
+        so that a ``put`` can send it meanwhile (see ``_help_send``)."""
         debug("starting thread to feed data to pipe")
         while True:
             with notempty:
                 if not buffer:
                     notempty.wait()
-            try:
-                while True:
-                    item = buffer.popleft()
+            while True:
+                with sending:
+                    try:
+                        item = buffer.popleft()
+                    except IndexError:
+                        break
                     if item is _sentinel:
                         debug("feeder thread got sentinel -- exiting")
                         reader_close()
                         writer_close()
                         return
+                    done = True
                     try:
-                        _send_item(item, writer, writelock)
+                        done = _send_item(item, writer, writelock)
                     except Exception as e:
                         if not _feed_failed(e, item, ignore_epipe, onerror, queue_sem,
                                             notempty, failures):
                             return
                     finally:
-                        with notempty:
-                            unsent[0] -= 1
-            except IndexError:
-                pass
+                        if done:
+                            with notempty:
+                                unsent[0] -= 1
+                    if not done:
+                        buffer.appendleft(item)
+                if not done:
+                    _wait_for_room(writer)
 
 
 def _count(frame: scm_rights.Frame, sem: BoundedSemaphore) -> None:
@@ -468,11 +509,32 @@ def _read_locked(reader: Connection, rlock: Lock, turn: ReadTurn,
             if held and held[0]: turn.lock.release()  # noqa: E701 (first call of its line)
 
 
-def _send_item(item: Frame | _Unpicklable, writer: Connection, writelock: Lock | None) -> None:
-    """Send a frame (and let go of its buffer, sent or not: see ``send_error``)."""
+def _try_send(item: Frame, writer: Connection, writelock: Lock | None, wait_lock: bool) -> bool:
+    """Send a frame that ``scm_rights.at_once`` admits if the socket takes it now: True
+    (and its buffer let go), or False with nothing sent (the socket full, or the write
+    lock another's and ``wait_lock`` false).  An error leaves the frame whole."""
+    if writelock is not None and not writelock.acquire(wait_lock):
+        return False
+    try:
+        sent = scm_rights.try_send_frame(writer._sock, item.data, item.ctx.wire_fds())
+    finally:
+        if writelock is not None:
+            writelock.release()
+    if sent:
+        item.ctx.release()
+        item.data = None  # type: ignore[assignment]  # let go once sent: nothing reads it after
+    return sent
+
+
+def _send_item(item: Frame | _Unpicklable, writer: Connection, writelock: Lock | None) -> bool:
+    """The feeder's send of a frame: False if the socket has no room for it now (nothing
+    sent, the frame whole); else sent, or failed (its buffer let go either way: see
+    ``send_error``).  A frame larger than one non-blocking send takes goes out blocking."""
     if type(item) is _Unpicklable:
         raise item.error  # reported as the stdlib's feeder reports its pickling errors
     try:
+        if writer._sock is not None and scm_rights.at_once(len(item.data), len(item.ctx.fds)):
+            return _try_send(item, writer, writelock, True)
         if writelock is None:
             writer.send_frame(item.data, item.ctx.wire_fds())
         else:
@@ -481,10 +543,25 @@ def _send_item(item: Frame | _Unpicklable, writer: Connection, writelock: Lock |
     except BaseException:
         if item.obj is None:
             item.obj = bytes(item.data)  # what the stdlib's feeder gives its hook
-        raise
-    finally:
         item.ctx.release()
-        item.data = None  # type: ignore[assignment]  # let go once sent: nothing reads it after
+        item.data = None  # type: ignore[assignment]
+        raise
+    item.ctx.release()
+    item.data = None  # type: ignore[assignment]
+    return True
+
+
+def _wait_for_room(writer: Connection) -> None:
+    """Wait (at most 0.1 s, then the feeder looks again) until the writer's socket has
+    room for a frame."""
+    sock = writer._sock
+    if sock is not None:
+        try:
+            poller = select.poll()
+            poller.register(sock, select.POLLOUT)
+            poller.poll(100)
+        except (OSError, ValueError):  # closed meanwhile: the next send says how
+            pass
 
 
 def _feed_failed(e: BaseException, item: Frame | _Unpicklable, ignore_epipe: bool,

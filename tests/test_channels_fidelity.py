@@ -252,6 +252,43 @@ def test_the_default_hook_prints_as_the_stdlibs(capfd):
     assert "Traceback" in err and "cannot pickle '_thread.lock' object" in err
 
 
+def test_put_sends_the_backlog_while_the_feeder_waits(monkeypatch):
+    """A frame the socket had no room for waits in the buffer; once the reader makes room,
+    the next put sends it (in order) rather than leaving it to the feeder thread, which
+    gets the GIL only when the putting thread lets go.  The feeder is held in its wait for
+    room here, so what arrives after the reader drained the socket was sent by the put."""
+    stalled, resume = threading.Event(), threading.Event()
+
+    def held(writer):
+        stalled.set()
+        resume.wait(JOIN)
+
+    monkeypatch.setattr(_queues, "_wait_for_room", held)
+    q = smp.get_context("fork").Queue()
+    item = b"x" * 1000
+    sent = 0
+    try:
+        while not stalled.is_set():  # until a frame finds the socket full
+            q.put((sent, item))
+            sent += 1
+            assert sent < 100_000, "the socket never filled"
+        assert stalled.wait(JOIN)
+        got = [q.get(timeout=JOIN)[0] for _ in range(sent - q._unsent[0])]  # room again
+        waiting = q._unsent[0]
+        q.put((sent, item))  # sends what waits first, as far as the socket takes it
+        sent += 1
+        by_put = waiting + 1 - q._unsent[0]
+        assert by_put > 0, "the put left every waiting frame to the held feeder"
+        got += [q.get(timeout=JOIN)[0] for _ in range(by_put)]
+        resume.set()
+        got += [q.get(timeout=JOIN)[0] for _ in range(sent - len(got))]
+        assert got == list(range(sent))
+    finally:
+        resume.set()
+        q.close()
+        q.join_thread()
+
+
 def test_put_to_a_queue_nobody_reads_says_so():
     q = smp.get_context("fork").Queue(maxsize=4)
     q._reader.close()  # the only reader
