@@ -113,7 +113,7 @@ class Host:
 
     def argv(self, cmd: Sequence[str]) -> list[str]:
         return ["nsenter", "-t", str(self.pid1), "--net", "--mount", "--uts", "--pid",
-                "--", *cmd]
+                f"--wd={os.getcwd()}", "--", *cmd]
 
     def run(self, cmd: Sequence[str], timeout: float = 60, env: dict[str, str] | None = None,
             stdin: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -110,7 +110,15 @@ def case_other() -> dict:
     ray.kill(ray.get_actor(_agent._name(ray.get_runtime_context().get_job_id(), b_node()),
                            _agent.NAMESPACE))
     again = ray.get(p.fill.remote(300_000, 5.0))
-    return {"agent_replaced": bool((again == 5.0).all()), "other_host": host != sr.host_id(), "node_is_b": nodes().get(node) == "10.200.0.2",
+    # the agent's port not reachable from here: the data comes through Ray's object store
+    from shmtensor.ray import _direct
+    key = (ray.get_runtime_context().get_job_id(), b_node())
+    closed = _direct.Endpoint("10.200.0.2", 1, b"x" * _direct.TOKEN_BYTES)
+    _agent._endpoints[key] = closed
+    through_store = ray.get(p.fill.remote(300_000, 6.0))
+    return {"agent_replaced": bool((again == 5.0).all()),
+            "through_store": bool((through_store == 6.0).all())
+            and shmtensor.is_shared(through_store) and _agent._endpoints.get(key) is None, "other_host": host != sr.host_id(), "node_is_b": nodes().get(node) == "10.200.0.2",
             "landed_shared": bool(shared and writeable), "sum": total == float(view.sum()),
             "ours_untouched": bool((a == np.arange(1000).reshape(100, 10)).all()),
             "copy_right": bool((b == view + 1).all()) and not np.shares_memory(a, b),

@@ -5,8 +5,9 @@ sender's node (an actor named ``shmtensor-agent-<job id>-<node id>`` in namespac
 ``shmtensor``, no CPU reserved) for the data.  The agent attaches the memory as any
 receiver on that host does (the sender's export, held while the handle's pin lives, and
 the receiver holds the pin while it asks, keeps the memory meanwhile), copies it into
-Ray's object store on its node (``ray.put``) and hands back the ObjectRef: the bytes
-cross hosts by Ray's own object transfer, and a failure on the way is Ray's own error.
+the receiver over TCP (:mod:`._direct`; one kernel copy each side), or, where the
+receiver cannot connect to it, puts them into Ray's object store on its node and hands
+back the ObjectRef (Ray's own transfer).
 
 Agents belong to the job: :func:`start` (``shmtensor.ray.init``) starts one per node as
 actors of the driver, so they end with the job; a node that joins later, or a job that
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 
 import numpy as np
 
-from . import _host
+from . import _direct, _host
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -68,20 +69,35 @@ def _raw_rebuild(buf: Buffer, dtype: np.dtype[Any], shape: tuple[int, ...]) -> n
 
 
 class Agent:
+    def __init__(self) -> None:
+        self._server: _direct.Server | None = None
+        self._lock = threading.Lock()
+
+    def endpoint(self) -> _direct.Endpoint:
+        """Where to fetch arrays from this node directly (listening from the first ask)."""
+        with self._lock:
+            if self._server is None:
+                self._server = _direct.Server(_direct.node_ip(), _contiguous)
+            return self._server.endpoint
+
     def read(self, handle: Handle | CudaHandle) -> list[ObjectRef[np.ndarray]]:
         """The handle's data put into this node's object store (in a list: Ray hands an
-        ObjectRef in a list back as it is, not resolved)."""
+        ObjectRef in a list back as it is, not resolved): the path when the direct one
+        cannot connect."""
         import ray
-
-        from . import _cupy, _numpy
-        if isinstance(handle, _cupy.CudaHandle):
-            data = _cupy.read_for_agent(handle)
-        else:
-            data = _numpy.attach(handle)  # a view of the sender's memory: put copies it
-        return [ray.put(Raw(data))]  # type: ignore[arg-type]  # Raw: an array, rebuilt
+        return [ray.put(Raw(_contiguous(handle)))]  # type: ignore[arg-type]  # Raw: an array
 
     def ping(self) -> bool:
         return True
+
+
+def _contiguous(handle: Handle | CudaHandle) -> np.ndarray:
+    """The handle's data on this host, C-contiguous (a view of the sender's memory when it
+    is: nothing copied)."""
+    from . import _cupy, _numpy
+    if isinstance(handle, _cupy.CudaHandle):
+        return _cupy.read_for_agent(handle)
+    return np.ascontiguousarray(_numpy.attach(handle))
 
 
 def _name(job_id: str, node_id: str) -> str:
@@ -168,30 +184,52 @@ def _node_dead(node_id: str, wait: float) -> dict[str, Any] | None:
         time.sleep(0.2)
 
 
-def fetch(node_id: str, handle: Handle | CudaHandle) -> np.ndarray:
-    """The data of ``handle`` (sent from node ``node_id``), read-only, by value.
+_endpoints: dict[tuple[str, str], _direct.Endpoint] = {}  # (job, node) -> its agent's
+
+
+def fetch_into(node_id: str, handle: Handle | CudaHandle, out: np.ndarray) -> None:
+    """Copy the data of ``handle`` (sent from node ``node_id``) into ``out`` (C-contiguous,
+    its shape): from that node's agent, directly (:mod:`._direct`), else through Ray's
+    object store.
 
     Raises :class:`ArrayLostError` when that node is dead (as Ray raises ObjectLostError
     for an object stored only there) and :class:`SenderGone` when the sender exited before
     the agent attached; an agent that died alone on a live node is replaced once."""
     import ray
     from ray.exceptions import RayError, RayTaskError
+    key = (ray.get_runtime_context().get_job_id(), node_id)
     for attempt in range(2):
         try:
-            refs = ray.get(agent_for(node_id).read.remote(handle))
-            return cast("np.ndarray", ray.get(refs[0]))
+            agent = agent_for(node_id)
+            ep = _endpoints.get(key)
+            if ep is None:
+                ep = _endpoints[key] = ray.get(agent.endpoint.remote())
+            try:
+                _direct.receive(ep, handle, out)
+                return
+            except _direct.Unreachable as e:
+                _endpoints.pop(key, None)
+                dead = _node_dead(node_id, 0.0)
+                if dead is not None:
+                    raise lost(node_id, dead, e) from None
+            # the node lives but its agent's port is not reachable from here: Ray's way
+            refs = ray.get(agent.read.remote(handle))
+            np.copyto(out, ray.get(refs[0]))
+            return
+        except _direct.Refused as e:  # the agent answered: the sender's error
+            raise e.error from None
         except RayTaskError as e:  # the read itself failed on the agent
             cause = getattr(e, "cause", None)
             if isinstance(cause, (_host.SenderGone, _host.NotReachable)):
                 raise type(cause)(*cause.args) from None
             raise
         except RayError as e:
+            _endpoints.pop(key, None)
             dead = _node_dead(node_id, NODE_VERDICT_S if attempt else 0.0)
             if dead is not None:
                 raise lost(node_id, dead, e) from None
             if attempt:
                 raise
-    raise AssertionError("unreachable")
 
 
 def lost(node_id: str, info: dict[str, Any], cause: BaseException) -> Exception:

@@ -180,9 +180,8 @@ def rebuild(h: Handle) -> np.ndarray:
                 "A shared array sent through Ray stays reachable while its sender lives "
                 "(as a Ray object whose owner died is lost): keep the sending actor alive "
                 "until receivers have it, or send a copy (np.array(a))") from None
-    data = _agent.fetch(h.node_id, h)
     out = _alloc.empty(h.shape, h.dtype)
-    np.copyto(out, data)
+    _agent.fetch_into(h.node_id, h, out)
     if not h.writeable:
         out.flags.writeable = False
     return out

@@ -1,0 +1,163 @@
+"""The direct path between hosts: an agent sends an array's bytes to a receiver over TCP.
+
+Each agent listens on its node's IP (an ephemeral port) once asked for its endpoint: the
+address, the port and a random token, handed out through a Ray actor call (so only
+those who may call the job's actors learn it).  A receiver connects, sends the token and
+the handle; the agent attaches the memory (a view: nothing copied on its side) and
+answers a status and the byte count, then the bytes, which the receiver reads straight
+into its destination (a shared segment of its own host).  One kernel copy each side:
+Ray's object transfer copies into the sender's object store, sends in chunks and writes
+the receiver's store.
+
+Request: ``!I`` length, then the 16-byte token and the pickled handle.  Answer: ``!BQ``
+(status, length), then ``length`` bytes: the data (status 0) or a pickled
+``(error name, message)`` (status 1: the sender is gone, or its fds not reachable).
+"""
+
+from __future__ import annotations
+
+import hmac
+import pickle
+import secrets
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import _host
+
+ANSWER = struct.Struct("!BQ")
+REQUEST = struct.Struct("!I")
+TOKEN_BYTES = 16
+MAX_REQUEST = 1 << 20
+CONNECT_S = 10.0   # to connect to an agent
+IDLE_S = 60.0      # without a byte from it, once connected
+SOCKET_BUFFER = 4 << 20
+
+
+class Endpoint(NamedTuple):
+    ip: str
+    port: int
+    token: bytes
+
+
+class Unreachable(OSError):
+    """The agent could not be reached, or the connection broke: its node may be dead."""
+
+
+class Refused(Exception):
+    """The agent answered, with the sender's error (``error``: re-raised as it is)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+_ERRORS: dict[str, type[Exception]] = {"SenderGone": _host.SenderGone,
+                                       "NotReachable": _host.NotReachable}
+
+
+def _bytes_of(a: np.ndarray) -> memoryview:
+    """The bytes of C-contiguous ``a``, as one flat memoryview (no copy)."""
+    # an ndarray has the buffer protocol: numpy's stubs say so from Python 3.12 on only
+    return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(conn, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into(conn: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        k = conn.recv_into(view[got:])
+        if not k:
+            raise Unreachable(f"the agent closed the connection after {got} of "
+                              f"{len(view)} bytes")
+        got += k
+
+
+class Server:
+    """An agent's listener: ``read(handle)`` gives the C-contiguous array to send."""
+
+    def __init__(self, ip: str, read: Callable[[Any], np.ndarray]) -> None:
+        self.read = read
+        self.token = secrets.token_bytes(TOKEN_BYTES)
+        self.sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET)
+        self.sock.bind((ip, 0))
+        self.sock.listen(64)
+        self.endpoint = Endpoint(ip, self.sock.getsockname()[1], self.token)
+        threading.Thread(target=self._accept, daemon=True,
+                         name="shmtensor-agent-listener").start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                             name="shmtensor-agent-send").start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(IDLE_S)
+                (n,) = REQUEST.unpack(_recv_exact(conn, REQUEST.size))
+                if not TOKEN_BYTES <= n <= MAX_REQUEST:
+                    return
+                request = _recv_exact(conn, n)
+                if not hmac.compare_digest(request[:TOKEN_BYTES], self.token):
+                    return  # not one of the job's processes: no answer
+                handle = pickle.loads(request[TOKEN_BYTES:])
+                try:
+                    data = self.read(handle)
+                except (_host.SenderGone, _host.NotReachable) as e:
+                    err = pickle.dumps((type(e).__name__, str(e)))
+                    conn.sendall(ANSWER.pack(1, len(err)) + err)
+                    return
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+                conn.sendall(ANSWER.pack(0, data.nbytes))
+                conn.sendall(_bytes_of(data))
+                del data
+            except OSError:
+                pass  # the receiver went away: it sees its own error
+
+
+def receive(ep: Endpoint, handle: Any, out: np.ndarray) -> None:
+    """Read ``handle``'s data from the agent at ``ep`` into ``out`` (C-contiguous, its
+    size).  Raises :class:`Unreachable` or :class:`Refused`."""
+    try:
+        conn = socket.create_connection((ep.ip, ep.port), timeout=CONNECT_S)
+    except OSError as e:
+        raise Unreachable(e.errno, f"cannot connect to the agent at {ep.ip}:{ep.port}: "
+                                   f"{e.strerror or e}") from None
+    with conn:
+        try:
+            conn.settimeout(IDLE_S)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+            request = ep.token + pickle.dumps(handle)
+            conn.sendall(REQUEST.pack(len(request)) + request)
+            status, n = ANSWER.unpack(_recv_exact(conn, ANSWER.size))
+            if status:
+                name, message = pickle.loads(_recv_exact(conn, n))
+                raise Refused(_ERRORS.get(name, RuntimeError)(message))
+            if n != out.nbytes:
+                raise Unreachable(f"the agent sends {n} bytes for an array of {out.nbytes}")
+            _recv_into(conn, _bytes_of(out))
+        except Unreachable:
+            raise
+        except OSError as e:
+            raise Unreachable(e.errno, f"the transfer from the agent at {ep.ip}:{ep.port} "
+                                       f"broke: {e.strerror or e}") from None
+
+
+def node_ip() -> str:
+    """This node's IP as Ray knows it (what the agent listens on)."""
+    from ray._private import worker
+    return str(worker.global_worker.node_ip_address)
