@@ -9,6 +9,9 @@
 * round trip of 1 KiB ``bytes`` between two processes: the stdlib's ``Pipe``
   (``send_bytes``/``recv_bytes``, its fastest path) and ``Queue``, and two rings.
 
+Rings run with their default spin (``SPIN``) and with none ("no spin": every wait sleeps
+on the futex at once).
+
 Each line is one session: items/s or microseconds per round trip, with the 1-minute load
 average at its start.  Written on the 2-vCPU session VM (x86-64, Python 3.11); the numbers
 in the report of issue 27's ring come from there.
@@ -23,7 +26,7 @@ import time
 
 import psutil
 
-from shmtensor.ipc.ring import Ring
+from shmtensor.ipc.ring import SPIN, Ring
 
 from . import _fanin_floor
 from ._harness import check_exit_codes, stop_processes
@@ -35,17 +38,23 @@ PAYLOAD = bytes(range(256)) * 4  # 1 KiB
 TRIPS = 2000
 
 
-def _attach(pid: int, fd: int) -> Ring:
+def _attach(pid: int, fd: int, spin: float) -> Ring:
     """The ring whose memfd is ``fd`` in process ``pid`` (spawned children inherit nothing)."""
     own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
     try:
-        return Ring.attach(own)
+        ring = Ring.attach(own)
     finally:
         os.close(own)
+    ring.spin = spin
+    return ring
 
 
-def _ring_producer(pid: int, fd: int, ready, go) -> None:
-    ring = _attach(pid, fd)
+def _spin(kind: str) -> float:
+    return 0.0 if kind.endswith("no spin") else SPIN
+
+
+def _ring_producer(pid: int, fd: int, spin: float, ready, go) -> None:
+    ring = _attach(pid, fd, spin)
     put, data = ring.put, PAYLOAD
     ready.put(None)
     go.wait()
@@ -68,9 +77,11 @@ def fan_in(kind: str) -> float:
     ctx = multiprocessing.get_context("spawn")
     ready, go = ctx.SimpleQueue(), ctx.Event()
     ring = q = None
-    if kind == "ring":
+    if kind.startswith("ring"):
         ring = Ring.create(CAPACITY, 1024 + 16)
-        procs = [ctx.Process(target=_ring_producer, args=(os.getpid(), ring.fd, ready, go))
+        ring.spin = _spin(kind)
+        procs = [ctx.Process(target=_ring_producer,
+                             args=(os.getpid(), ring.fd, ring.spin, ready, go))
                  for _ in range(PRODUCERS)]
     else:
         q = ctx.Queue(CAPACITY)
@@ -101,8 +112,8 @@ def fan_in(kind: str) -> float:
     return n / elapsed
 
 
-def _ring_echo(pid: int, there: int, back: int) -> None:
-    inbox, outbox = _attach(pid, there), _attach(pid, back)
+def _ring_echo(pid: int, there: int, back: int, spin: float) -> None:
+    inbox, outbox = _attach(pid, there, spin), _attach(pid, back, spin)
     for _ in range(TRIPS + 1):
         outbox.put(inbox.get(timeout=60))
     inbox.close()
@@ -123,10 +134,12 @@ def round_trip(kind: str) -> float:
     """Microseconds per round trip of 1 KiB between two processes."""
     ctx = multiprocessing.get_context("spawn")
     rings: list[Ring] = []
-    if kind == "ring":
+    if kind.startswith("ring"):
         rings = [Ring.create(CAPACITY, 1024 + 16), Ring.create(CAPACITY, 1024 + 16)]
         there, back = rings
-        proc = ctx.Process(target=_ring_echo, args=(os.getpid(), there.fd, back.fd))
+        there.spin = back.spin = _spin(kind)
+        proc = ctx.Process(target=_ring_echo,
+                           args=(os.getpid(), there.fd, back.fd, back.spin))
         send, recv = there.put, back.get
     elif kind == "Pipe":
         mine, theirs = ctx.Pipe()
@@ -153,8 +166,8 @@ def round_trip(kind: str) -> float:
     return elapsed / TRIPS * 1e6
 
 
-FAN_IN = ["stdlib Queue(64)", "ring", "floor"]
-ROUND_TRIP = ["Pipe", "Queue", "ring"]
+FAN_IN = ["stdlib Queue(64)", "ring", "ring, no spin", "floor"]
+ROUND_TRIP = ["Pipe", "Queue", "ring", "ring, no spin"]
 
 
 def main(rounds: int) -> None:

@@ -39,7 +39,11 @@ publishes it), lets go of the lock, and wakes a reader if one sleeps.  A reader 
 mirror image under the readers' lock: it sleeps on the tail word while ``head == tail``,
 copies record ``head % capacity`` out, stores ``head + 1``, lets go, and wakes a writer if
 one sleeps.  Only the holder of a lock sleeps on the ring, so each flag is written by one
-thread at a time; other writers (readers) wait on the lock itself.
+thread at a time; other writers (readers) wait on the lock itself.  Before it sleeps, a
+waiter looks at the word for up to ``Ring.spin`` seconds (``sched_yield`` between looks,
+so that a process it waits for gets the CPU), while its recent waits were that short: a
+reader that keeps up with its writers spares them the wake-up, and a round trip its
+sleep.
 
 What a death leaves (the kernel frees the dead thread's lock; the next holder repairs):
 
@@ -89,7 +93,7 @@ HAVE_RING = (_SYS_FUTEX is not None and hasattr(fcntl, "F_OFD_SETLK")
              and hasattr(os, "memfd_create"))
 
 SLICE = 0.05  # longest sleep between re-checks: bounds a missed wake, lets signals run
-SPIN = float(os.environ.get("SHMTENSOR_RING_SPIN", 50e-6))  # see Ring.spin
+SPIN = 50e-6  # the default of Ring.spin
 MAX_PROCS = 1 << 16  # process indices per ring
 LIVE = 1 << 40  # byte of the memfd whose lock is process index 0 (locks may lie past EOF)
 
@@ -198,7 +202,10 @@ class Ring:
     Make one with :meth:`create`, map it in another process with :meth:`attach` (its
     :attr:`fd` passed by fork or ``socket.send_fds``).  Both ends are safe to use from
     several threads.  ``put`` and ``get`` follow ``queue.Queue``: ``block``, ``timeout``,
-    ``queue.Full`` and ``queue.Empty``."""
+    ``queue.Full`` and ``queue.Empty``.
+
+    ``spin``: how long (seconds) a wait looks at the ring before it sleeps, while this
+    process's recent waits were no longer (0: sleep at once)."""
 
     __slots__ = ("fd", "capacity", "record_size", "payload_max", "index", "recovered",
                  "spin", "_hot", "_mem", "_q", "_i", "_anchor", "_base", "_live", "__weakref__")
@@ -214,19 +221,22 @@ class Ring:
         """Use :meth:`create` or :meth:`attach`; takes ``fd`` and ``mem``."""
         self.fd = fd
         self._mem: mmap.mmap | None = mem
+        self._q: memoryview | None = None
+        self._i: memoryview | None = None
+        self._anchor: ctypes.c_char | None = None
+        self._live = -1
+        self.index = -1
         _, _, self.capacity, self.record_size = _HEADER.unpack_from(mem, 0)
         self.payload_max = self.record_size - _REC_SIZE
         self.recovered = 0  # locks this process took over from a dead owner
         self.spin = SPIN
         self._hot = True
-        # held for the mapping's life: the mmap cannot be closed under the addresses
-        self._q: memoryview | None = memoryview(mem).cast("Q")
-        self._i: memoryview | None = memoryview(mem).cast("I")
-        self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(mem)
-        self._base = ctypes.addressof(self._anchor)
-        self._live = -1
-        self.index = -1
         try:
+            self._q = memoryview(mem).cast("Q")
+            self._i = memoryview(mem).cast("I")
+            # held for the mapping's life: the mmap cannot be closed under the address
+            self._anchor = ctypes.c_char.from_buffer(mem)
+            self._base = ctypes.addressof(self._anchor)
             self._live = _reopen(fd)
             self.index = self._claim_index()
         except BaseException:
@@ -256,13 +266,13 @@ class Ring:
                 _HEADER.pack_into(mem, 0, 0, _VERSION, capacity, record_size)
                 _init_robust_mutexes(mem, (_W_LOCK, _R_LOCK))
                 _Q.pack_into(mem, 0, _MAGIC)  # last: a ring is whole once it has its magic
-                return cls(fd, mem)
             except BaseException:
                 mem.close()
                 raise
         except BaseException:
             os.close(fd)
             raise
+        return cls(fd, mem)  # takes both (and closes them if it fails)
 
     @classmethod
     def attach(cls, fd: int) -> Ring:
@@ -284,13 +294,13 @@ class Ring:
                         or _RECORDS + capacity * record_size > size):
                     raise ValueError(f"fd {fd}: a ring of {capacity} records of "
                                      f"{record_size} bytes does not fit its {size} bytes")
-                return cls(own, mem)
             except BaseException:
                 mem.close()
                 raise
         except BaseException:
             os.close(own)
             raise
+        return cls(own, mem)
 
     def put(self, data: ReadableBuffer, block: bool = True,
             timeout: float | None = None) -> None:
@@ -411,8 +421,8 @@ class Ring:
         assert q is not None and words is not None
         spin = self.spin
         if spin and self._hot and deadline != 0.0:
-            clock, pause = time.monotonic, os.sched_yield
-            end = clock() + spin
+            clock, pause = time.monotonic, os.sched_yield  # pause: let others have the CPU
+            end = clock() + spin if deadline is None else min(clock() + spin, deadline)
             while q[word] == value:
                 if clock() > end:
                     self._hot = False  # waited past the budget: sleep at once next time

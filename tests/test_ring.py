@@ -294,6 +294,20 @@ def test_bad_arguments_and_files(no_leaks):
         ring.get()
 
 
+def test_out_of_process_indices(no_leaks, monkeypatch):
+    """A process that finds every index taken gets an error that says so, and nothing of
+    the attach stays open."""
+    monkeypatch.setattr(ringmod, "MAX_PROCS", 2)
+    with Ring.create(2) as ring, Ring.attach(ring.fd) as other:
+        assert {ring.index, other.index} == {0, 1}
+        with pytest.raises(OSError, match="all 2 process indices") as info:
+            Ring.attach(ring.fd)
+        assert info.value.errno == errno.EUSERS
+    with Ring.create(2) as ring:  # indices come back when their rings close
+        Ring.attach(ring.fd).close()
+        Ring.attach(ring.fd).close()
+
+
 def _attach_and_echo(sock: socket.socket) -> None:
     _, (fd,), _, _ = socket.recv_fds(sock, 1, 1)
     with Ring.attach(fd) as ring:
