@@ -13,8 +13,16 @@ Rings run with their default spin (``SPIN``) and with none ("no spin": every wai
 on the futex at once).
 
 Each line is one session: items/s or microseconds per round trip, with the 1-minute load
-average at its start.  Written on the 2-vCPU session VM (x86-64, Python 3.11); the numbers
-in the report of issue 27's ring come from there.
+average at its start.
+
+Children run with ``OPENBLAS_NUM_THREADS=1``: importing shmtensor imports numpy, whose
+OpenBLAS threads spin (yielding) for a while after they start, and a round trip between
+spinning rings took 3x as long beside them (12 us against 4.3 us, adjacent runs; no case
+here uses BLAS).
+
+Written on the 2-vCPU session VM (x86-64, Python 3.11, other sessions' tests running
+beside it: the load column says how much); the numbers in the report of issue 27's ring
+come from there.
 """
 
 from __future__ import annotations
@@ -28,11 +36,10 @@ import psutil
 
 from shmtensor.ipc.ring import SPIN, Ring
 
-from . import _fanin_floor
 from ._harness import check_exit_codes, stop_processes
 
-PRODUCERS = _fanin_floor.PRODUCERS
-COUNT = _fanin_floor.COUNT
+PRODUCERS = 8  # as in benchmarks._fanin_floor
+COUNT = 4000
 CAPACITY = 64
 PAYLOAD = bytes(range(256)) * 4  # 1 KiB
 TRIPS = 2000
@@ -73,6 +80,8 @@ def _queue_producer(q, ready, go) -> None:
 def fan_in(kind: str) -> float:
     """Items/s of 8 producers -> 1 consumer."""
     if kind == "floor":
+        from . import _fanin_floor
+        assert (_fanin_floor.PRODUCERS, _fanin_floor.COUNT) == (PRODUCERS, COUNT)
         return float(_fanin_floor.session("ring", "32-byte record")["rate"])
     ctx = multiprocessing.get_context("spawn")
     ready, go = ctx.SimpleQueue(), ctx.Event()
@@ -171,6 +180,7 @@ ROUND_TRIP = ["Pipe", "Queue", "ring", "ring, no spin"]
 
 
 def main(rounds: int) -> None:
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"  # for the children (see the docstring)
     print(f"fan-in: {PRODUCERS} producers x {COUNT} items of 1 KiB -> 1 consumer, capacity "
           f"{CAPACITY}; round trip: {TRIPS} x 1 KiB; {os.cpu_count()} CPUs", flush=True)
     for r in range(rounds):

@@ -154,21 +154,19 @@ _futex_wake = _pylibc.syscall
 _futex_wake.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
 _futex_wake.restype = ctypes.c_long
 
-# A full barrier where the hardware does not order stores (loads) by itself: letting go of
-# a private spinlock (a release) and taking it again (an acquire) orders every access
-# before the pair before every access after it.
+# A barrier where the hardware does not keep stores (loads) in order by themselves: a store
+# with release semantics (letting go of a private spinlock) then an atomic exchange with
+# acquire semantics (trying to take it) keeps every access before the pair before every
+# access after it.  A try-lock never waits: threads may fence at the same time.
 _fence_lock = ctypes.c_int(0)
-_spin_lock, _spin_unlock = _pylibc.pthread_spin_lock, _pylibc.pthread_spin_unlock
-_spin_lock.argtypes = _spin_unlock.argtypes = [ctypes.c_void_p]
+_fence_addr = ctypes.addressof(_fence_lock)
+_spin_trylock, _spin_unlock = _pylibc.pthread_spin_trylock, _pylibc.pthread_spin_unlock
+_spin_trylock.argtypes = _spin_unlock.argtypes = [ctypes.c_void_p]
 
 
 def _fence() -> None:
-    _spin_unlock(ctypes.addressof(_fence_lock))
-    _spin_lock(ctypes.addressof(_fence_lock))
-
-
-if not _TSO:
-    _spin_lock(ctypes.addressof(_fence_lock))  # held between fences: each fence re-takes it
+    _spin_unlock(_fence_addr)
+    _spin_trylock(_fence_addr)
 
 
 def _lock_for(lock: int, seconds: float) -> int:
@@ -199,16 +197,18 @@ def _reopen(fd: int) -> int:
 class Ring:
     """A bounded ring of byte messages in shared memory (see the module's docstring).
 
-    Make one with :meth:`create`, map it in another process with :meth:`attach` (its
-    :attr:`fd` passed by fork or ``socket.send_fds``).  Both ends are safe to use from
-    several threads.  ``put`` and ``get`` follow ``queue.Queue``: ``block``, ``timeout``,
+    Make one with :meth:`create`; map it in another process with :meth:`attach` (its
+    :attr:`fd` passed by ``socket.send_fds``, say).  A forked child uses the rings it
+    inherits, under a process index of its own.  Both ends are safe to use from several
+    threads.  ``put`` and ``get`` follow ``queue.Queue``: ``block``, ``timeout``,
     ``queue.Full`` and ``queue.Empty``.
 
     ``spin``: how long (seconds) a wait looks at the ring before it sleeps, while this
     process's recent waits were no longer (0: sleep at once)."""
 
     __slots__ = ("fd", "capacity", "record_size", "payload_max", "index", "recovered",
-                 "spin", "_hot", "_mem", "_q", "_i", "_anchor", "_base", "_live", "__weakref__")
+                 "spin", "_hot", "_mem", "_q", "_i", "_anchor", "_base", "_live",
+                 "__weakref__")
 
     fd: int
     capacity: int
@@ -290,7 +290,7 @@ class Ring:
                 if magic != _MAGIC or version != _VERSION:
                     raise ValueError(f"fd {fd} is not a ring of this version of shmtensor "
                                      f"(magic {magic:#x}, version {version})")
-                if (record_size % 8 or record_size < _REC_SIZE
+                if (record_size % 8 or record_size < _REC_SIZE or capacity < 1
                         or _RECORDS + capacity * record_size > size):
                     raise ValueError(f"fd {fd}: a ring of {capacity} records of "
                                      f"{record_size} bytes does not fit its {size} bytes")

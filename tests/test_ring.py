@@ -169,6 +169,19 @@ def test_processes_on_both_ends(no_leaks):
             [(w, s) for w in range(writers) for s in range(each)]
 
 
+def test_fenced_path(no_leaks, monkeypatch):
+    """The path for hardware that does not keep stores (loads) in order runs (here it
+    orders nothing the hardware does not)."""
+    monkeypatch.setattr(ringmod, "_TSO", False)
+    with Ring.create(4) as ring:
+        t = threading.Thread(target=lambda: [ring.put(bytes([i]), timeout=JOIN)
+                                             for i in range(100)])
+        t.start()
+        assert [ring.get(timeout=JOIN) for _ in range(100)] == [bytes([i]) for i in range(100)]
+        t.join(JOIN)
+        assert not t.is_alive()
+
+
 # -- Full, Empty, timeouts, wake-ups ----------------------------------------------------
 
 def test_full_and_empty(no_leaks):
