@@ -200,9 +200,10 @@ def fetch_into(node_id: str, handle: Handle | CudaHandle, out: np.ndarray) -> No
     key = (ray.get_runtime_context().get_job_id(), node_id)
     for attempt in range(2):
         try:
-            agent = agent_for(node_id)
+            agent = None
             ep = _endpoints.get(key)
-            if ep is None:
+            if ep is None:  # asked once per process and agent (a GCS call and a Ray call)
+                agent = agent_for(node_id)
                 ep = _endpoints[key] = ray.get(agent.endpoint.remote())
             try:
                 _direct.receive(ep, handle, out)
@@ -213,6 +214,7 @@ def fetch_into(node_id: str, handle: Handle | CudaHandle, out: np.ndarray) -> No
                 if dead is not None:
                     raise lost(node_id, dead, e) from None
             # the node lives but its agent's port is not reachable from here: Ray's way
+            agent = agent or agent_for(node_id)
             refs = ray.get(agent.read.remote(handle))
             np.copyto(out, ray.get(refs[0]))
             return
