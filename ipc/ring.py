@@ -75,6 +75,7 @@ import os
 import platform
 import queue
 import struct
+import sys
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -89,8 +90,9 @@ __all__ = ["HAVE_RING", "Ring", "SLICE", "MAX_PROCS"]
 _ARCH = platform.machine()
 _SYS_FUTEX = {"x86_64": 202, "AMD64": 202, "aarch64": 98, "arm64": 98}.get(_ARCH)
 _TSO = _ARCH in ("x86_64", "AMD64")  # stores stay in order, and loads do (see _fence)
-HAVE_RING = (_SYS_FUTEX is not None and hasattr(fcntl, "F_OFD_SETLK")
-             and hasattr(os, "memfd_create"))
+# little-endian: a futex word is the low half of a sequence number, at the same address
+HAVE_RING = (_SYS_FUTEX is not None and sys.byteorder == "little"
+             and hasattr(fcntl, "F_OFD_SETLK") and hasattr(os, "memfd_create"))
 
 SLICE = 0.05  # longest sleep between re-checks: bounds a missed wake, lets signals run
 SPIN = 50e-6  # the default of Ring.spin
@@ -250,8 +252,8 @@ class Ring:
         each carries up to ``record_size - 16`` bytes of message)."""
         if not HAVE_RING:
             raise OSError(errno.ENOSYS, f"shmtensor's ring needs Linux with memfd, OFD locks "
-                          f"and a known futex syscall number (x86-64, aarch64); this is "
-                          f"{_ARCH}")
+                          f"and a known futex syscall number, little-endian (x86-64, "
+                          f"aarch64); this is {_ARCH}, {sys.byteorder}-endian")
         if not 1 <= capacity < 1 << 31:
             raise ValueError(f"a ring's capacity must be between 1 and 2**31 - 1 records, "
                              f"not {capacity}")

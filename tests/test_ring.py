@@ -387,7 +387,17 @@ def _die_mid_read(ring: Ring) -> None:
 
 
 def _sleep_in(ring: Ring, method: str) -> None:
-    getattr(ring, method)(*((b"z",) if method == "put" else ()), timeout=JOIN)
+    """Sleep in ``put`` (``get``) on a full (empty) ring: in this thread, or in a second
+    thread while this one waits (``method`` ends in " in a thread")."""
+    name = method.split()[0]
+    call = getattr(ring, name)
+    args = (b"z",) if name == "put" else ()
+    if method.endswith("in a thread"):
+        t = threading.Thread(target=call, args=args, kwargs={"timeout": JOIN})
+        t.start()
+        t.join(JOIN)
+    else:
+        call(*args, timeout=JOIN)
     os._exit(3)  # not reached: killed asleep
 
 
@@ -416,20 +426,21 @@ def test_reader_killed_holding_the_lock_mid_read(no_leaks):
         assert ring.get(timeout=JOIN) == b"two"
 
 
-@pytest.mark.parametrize("method", ["put", "get"])
+@pytest.mark.parametrize("method", ["put", "get", "put in a thread", "get in a thread"])
 def test_killed_asleep(no_leaks, method):
     """A writer killed asleep on a full ring, or a reader on an empty one, holding the
-    lock: the next caller takes the lock over and clears the flag."""
+    lock (from its main thread or another): the next caller takes the lock over and
+    clears the flag."""
     with Ring.create(1) as ring:
-        if method == "put":
+        if method.startswith("put"):
             ring.put(b"full")
-        sleeps = ringmod._W_SLEEPS if method == "put" else ringmod._R_SLEEPS
+        sleeps = ringmod._W_SLEEPS if method.startswith("put") else ringmod._R_SLEEPS
         p = ctx.Process(target=_sleep_in, args=(ring, method))
         p.start()
         wait_for(lambda: flag(ring, sleeps) == 1, "the child's sleep")
         p.kill()
         join([p], codes=(-signal.SIGKILL,))
-        if method == "put":
+        if method.startswith("put"):
             assert ring.get(timeout=JOIN) == b"full"
             ring.put(b"next", timeout=JOIN)
             assert ring.recovered == 1 and flag(ring, sleeps) == 0
@@ -440,6 +451,44 @@ def test_killed_asleep(no_leaks, method):
             assert ring.recovered == 1 and flag(ring, sleeps) == 0
             ring.put(b"next")
             assert ring.get(timeout=JOIN) == b"next"
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _interrupt(signum, frame):
+    raise Interrupted
+
+
+@pytest.mark.parametrize("where", ["on the ring", "on the lock"])
+def test_signal_handler_exception_while_waiting(no_leaks, where):
+    """An exception a signal handler raises in a waiting get (asleep on an empty ring, or
+    waiting for the readers' lock behind a thread asleep there) comes out of it within a
+    slice, and leaves the lock and the flags as they were."""
+    with Ring.create(2) as ring:
+        other = None
+        if where == "on the lock":
+            other = threading.Thread(target=lambda: ring.get(timeout=JOIN))
+            other.start()
+            wait_for(lambda: flag(ring, ringmod._R_SLEEPS) == 1, "the thread's sleep")
+        previous = signal.signal(signal.SIGALRM, _interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.02)
+            with pytest.raises(Interrupted):
+                ring.get(timeout=JOIN)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        if other is not None:
+            ring.put(b"for the thread")
+            other.join(JOIN)
+            assert not other.is_alive()
+        assert flag(ring, ringmod._R_SLEEPS) == 0
+        assert ringmod._trylock(ring._base + ringmod._R_LOCK) == 0  # nobody holds it
+        assert ringmod._unlock(ring._base + ringmod._R_LOCK) == 0
+        ring.put(b"x")
+        assert ring.get(timeout=JOIN) == b"x"
 
 
 def test_malformed_record_is_stepped_over(no_leaks):
