@@ -242,8 +242,11 @@ def test_killed_actors_arrays_are_reclaimed(cluster):
     poll(lambda: not os.path.exists(f"/proc/{pid}") or
          open(f"/proc/{pid}/stat").read().split()[2] == "Z", "the actor to die")
     assert (held == 1.0).all()                  # a view we hold survives its maker
-    with pytest.raises(Exception):              # what only Ray held is gone with it
+    # what only Ray held is gone with it: Ray's error for an object whose owner died (the
+    # sender owned the hold), not a RaySystemError wrapping shmtensor's
+    with pytest.raises(ray.exceptions.OwnerDiedError, match=f"process {pid}") as e:
         ray.get(refs[0], timeout=DEADLINE)
+    assert isinstance(e.value, sr.SenderGone)
     del held, refs
     gc.collect()
     poll(lambda: not (mine & shm_names()),
