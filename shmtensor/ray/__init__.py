@@ -3,8 +3,13 @@
 A shared numpy array (``shmtensor.zeros``, ``share_memory``, one received from a shmtensor
 queue) or a CuPy array passed to a task or actor method, returned from one, or put with
 ``ray.put`` arrives, on the sender's host, as a view of the same memory (writes visible
-both ways, as through shmtensor's queues); on another host, as a copy by value through
-Ray.  Any other array goes through Ray as it always does.  The user does not choose.
+both ways, as through shmtensor's queues); on another host, as a copy in that host's
+shared memory, sent by the agent of the sender's node.  Any other array goes through Ray
+as it always does.  The user does not choose.
+
+Failures are Ray's: an array whose node died is recovered as Ray recovers any object (a
+task with retries is re-run), else ``ray.get`` raises Ray's ``ObjectLostError``
+(:class:`ArrayLostError` when the handle arrived but the memory went with its node).
 
 Every process that sends arrays must have the serializers registered:
 
@@ -13,6 +18,8 @@ Every process that sends arrays must have the serializers registered:
 * ``shmtensor.ray.register()`` registers them in the calling process (for a job whose
   ``ray.init`` you do not control, call it in the task, or in your own setup hook);
 * :class:`Pool` does both for its workers.
+
+``init`` also starts the agents (one per node, ending with the job).
 
 See docs/architecture.md ("Ray") for the design and its failure modes.
 """

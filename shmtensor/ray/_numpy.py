@@ -11,7 +11,7 @@ A handle is rebuilt on the sender's host as a view of the same segment, writable
 ways: the receiver reopens the sender's lease description and memfd through
 ``/proc/PID/fd`` (a named segment by its name) and holds the segment's lease as any
 shmtensor receiver does.  On another host, the data comes by value from the agent of the
-sender's node (:mod:`._agent`, through Ray's object store) and lands in a shared segment of the receiver's host, so it
+sender's node (:mod:`._agent`: over TCP, else through Ray's object store) and lands in a shared segment of the receiver's host, so it
 crosses that host zero-copy from then on.
 """
 
