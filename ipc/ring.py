@@ -397,7 +397,7 @@ class Ring:
             if not block:
                 if words[flag]:
                     raise exc()
-                left = 0.001  # a holder that reads or writes lets go in microseconds
+                left = 0.0002  # a holder that reads or writes lets go in microseconds
             elif deadline is None:
                 left = SLICE
             else:
