@@ -133,12 +133,15 @@ def _nodes() -> list[dict[str, Any]]:
 
 
 def start() -> int:
-    """Start an agent on every alive node, as actors of this process (the driver: named
-    actors, they live until the job ends, whatever becomes of the handles).  Returns how
-    many; their start is not waited for."""
+    """Start an agent on every alive node, as actors of this process (the driver: they end
+    with the job), unless the cluster has one node (one host: no agent is needed, and a
+    node that joins later gets one on first need).  Returns how many; their start is not
+    waited for."""
     import ray
     job = ray.get_runtime_context().get_job_id()
     nodes = [n["NodeID"] for n in _nodes() if n.get("Alive")]
+    if len(nodes) < 2:
+        return 0
     with _lock:
         for node in nodes:
             _spawn(ray, job, node)
