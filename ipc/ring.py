@@ -378,6 +378,33 @@ class Ring:
                           "skipped.  Something other than a ring's writer wrote its memory")
         return data
 
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        """Whether a message is waiting, after waiting up to ``timeout`` seconds for one
+        (``None``: until one comes), without taking it: what ``Connection.poll`` needs.
+        The wait holds the readers' lock, as a waiting ``get`` does."""
+        q = self._q
+        if q is None:
+            raise self._refusal(0)
+        if q[_TAIL_Q] != q[_HEAD_Q] or (timeout is not None and timeout <= 0):
+            return bool(q[_TAIL_Q] != q[_HEAD_Q])
+        lock = self._base + _R_LOCK
+        deadline = _deadline(True, timeout)
+        rc = _trylock(lock)
+        try:
+            if rc:
+                self._take(lock, rc, _R_SLEEPS_I, True, deadline, queue.Empty)
+        except queue.Empty:
+            return False
+        try:
+            h = q[_HEAD_Q]
+            if q[_TAIL_Q] == h:
+                self._sleep_while(_TAIL_Q, h, _R_SLEEPS_I, deadline, queue.Empty)
+            return True
+        except queue.Empty:
+            return False
+        finally:
+            _unlock(lock)
+
     def _refusal(self, n: int) -> Exception:
         if self._mem is None:
             return ValueError("this ring is closed")

@@ -244,6 +244,30 @@ def test_sleepers_are_woken(no_leaks, spin):
         assert flag(ring, ringmod._R_SLEEPS) == 0
 
 
+def _put_later(ring: Ring, go) -> None:
+    go.wait(JOIN)
+    time.sleep(0.01)
+    ring.put(b"later", timeout=JOIN)
+
+
+def test_poll(no_leaks):
+    """poll says whether a message waits, waits for one up to its timeout, and takes
+    nothing."""
+    with Ring.create(2) as ring:
+        assert not ring.poll() and not ring.poll(0) and not ring.poll(-1)
+        began = time.monotonic()
+        assert not ring.poll(0.05)
+        assert time.monotonic() - began >= 0.05
+        go = ctx.Event()
+        p = ctx.Process(target=_put_later, args=(ring, go))
+        p.start()
+        go.set()
+        assert ring.poll(JOIN) and ring.poll() and ring.poll(None)
+        assert len(ring) == 1 and ring.get(block=False) == b"later"
+        join([p])
+        assert flag(ring, ringmod._R_SLEEPS) == 0
+
+
 def test_many_sleepers_threads(no_leaks):
     """Several threads asleep in get (one on the ring, the others on the readers' lock)
     each get one message; a timed get among them times out on the lock."""
