@@ -253,6 +253,27 @@ def test_killed_actors_arrays_are_reclaimed(cluster):
          f"{sorted(mine & shm_names())} left in /dev/shm after the actor was killed")
 
 
+@ray.remote
+def put_shared():
+    import shmtensor
+    return [ray.put(shmtensor.full(10, 1.0))]  # an ObjectRef in a list: handed back as is
+
+
+def test_a_tasks_shared_result_lives_in_its_nodes_store(cluster):
+    """A task's result holding a shared array is stored on the task's node, as a plain
+    array's would be (so Ray sees it lost with the node, and re-runs the task); what a
+    worker puts is not padded (Ray stores every put there anyway)."""
+    from ray.experimental import get_object_locations
+    ref = make.options(**THERE).remote(10, 2.0, "file_system")
+    ray.wait([ref], timeout=DEADLINE, fetch_local=False)
+    there = [n["NodeID"] for n in ray.nodes() if n["Resources"].get("there")]
+    loc = get_object_locations([ref])[ref]
+    assert loc["object_size"] > 100 << 10 and loc["node_ids"] == there
+    put = ray.get(put_shared.options(**THERE).remote())[0]
+    assert get_object_locations([put])[put]["object_size"] < 100 << 10
+    assert (ray.get(ref) == 2.0).all() and (ray.get(put) == 1.0).all()
+
+
 def test_sender_gone_is_a_clear_error():
     from shmtensor.ray import _host, _numpy
     h = _numpy.Handle(_host.host_id(), "node", 2 ** 22 + 1, 5, -1, "x", "file_system", 10,

@@ -347,18 +347,35 @@ def wait_released(timeout: float) -> bool:
 
 # A handle is a few hundred bytes, which Ray would keep inline, in its owner's memory: a
 # worker's task result, then, does not live on the worker's node, and Ray would never see
-# it lost with that node (nor re-run the task that made it).  In a worker each serialized
-# form carries this padding, one past Ray's inline limit, so that the object is stored in
-# the node's object store as a plain array would be.  One object for the process: pickle
-# writes it once per serialized object, however many arrays that holds.
+# it lost with that node (nor re-run the task that made it).  In a task's result each
+# serialized form carries this padding, one past Ray's inline limit, so that the result
+# is stored in the node's object store as a plain array's would be.  One object for the
+# process: pickle writes it once per serialized object, however many arrays that holds.
 _pad: list[bytes] = []
+
+# Where Ray serializes what is not a task's result, seen from inside the serializer (the
+# result is serialized by Ray's compiled task loop, which has no Python frame): a task's
+# arguments (submitted by the caller, which owns them: they die with it anyway) and
+# ray.put (always stored in the object store).  A Ray that renames these pads them too.
+_NOT_RESULTS = {("remote_function.py", "_remote"), ("actor.py", "_remote"),
+                ("actor.py", "_actor_method_call"), ("worker.py", "put_object")}
+_MAX_DEPTH = 64
 
 
 def pad() -> bytes | None:
-    """The padding for a serialized form made in this process (None in a driver)."""
+    """The padding for a serialized form made here, now: in a worker, for a task's
+    result; None elsewhere (a driver's objects die with the job, see above)."""
     from ray._private import worker
     if getattr(worker.global_worker, "mode", None) != worker.WORKER_MODE:
         return None
+    frame = sys._getframe(1)
+    for _ in range(_MAX_DEPTH):
+        if frame is None:
+            break
+        code = frame.f_code
+        if (os.path.basename(code.co_filename), code.co_name) in _NOT_RESULTS:
+            return None
+        frame = frame.f_back  # type: ignore[assignment]  # None ends the walk
     if not _pad:
         limit = int(os.environ.get("RAY_max_direct_call_object_size", 100 << 10))
         _pad.append(bytes(limit + 1))
