@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 from functools import partial
+from types import FrameType
 from typing import TYPE_CHECKING, Any, cast
 
 from shmtensor.ipc import ofd_lease
@@ -368,14 +369,14 @@ def pad() -> bytes | None:
     from ray._private import worker
     if getattr(worker.global_worker, "mode", None) != worker.WORKER_MODE:
         return None
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(_MAX_DEPTH):
         if frame is None:
             break
         code = frame.f_code
         if (os.path.basename(code.co_filename), code.co_name) in _NOT_RESULTS:
             return None
-        frame = frame.f_back  # type: ignore[assignment]  # None ends the walk
+        frame = frame.f_back
     if not _pad:
         limit = int(os.environ.get("RAY_max_direct_call_object_size", 100 << 10))
         _pad.append(bytes(limit + 1))
