@@ -10,6 +10,9 @@ Facts this module is built on (Linux, x86-64 or aarch64, glibc or musl):
   ``pthread_mutex_consistent``.  Each thread owns it on its own (no process-wide
   ``threading.Lock`` is needed), a wait for it can have a deadline
   (``pthread_mutex_clocklock``), and a forked child owns nothing it did not lock itself.
+  Made error-checking, it refuses an unlock by a thread that does not own it (``EPERM``)
+  and tells its owner's try-lock ``EDEADLK``: after an exception (a signal handler's)
+  anywhere from the try-lock on, a call lets go of what it holds and nothing else.
 * ``futex(2)`` ``FUTEX_WAIT`` on a 32-bit word of a shared mapping sleeps only if the word
   still holds the expected value, compared in the kernel after a full barrier;
   ``FUTEX_WAKE`` wakes a sleeper of that word in any process.
@@ -112,7 +115,6 @@ _TAIL_Q, _HEAD_Q = _TAIL // 8, _HEAD // 8
 _R_SLEEPS_I, _W_SLEEPS_I, _NEXT_I = _R_SLEEPS // 4, _W_SLEEPS // 4, _NEXT // 4
 _RECORDS = 256
 _Q = struct.Struct("Q")
-_I = struct.Struct("I")
 _REC = struct.Struct("QII")  # sequence number, writer's process index, length
 _REC_SIZE = _REC.size
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64 and aarch64
@@ -121,6 +123,7 @@ _MASK = 0xFFFFFFFF
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not _PRIVATE): the sleepers are in other processes
 _CLOCK_MONOTONIC = 1
 _EBUSY, _ETIMEDOUT, _EOWNERDEAD = errno.EBUSY, errno.ETIMEDOUT, errno.EOWNERDEAD
+_EDEADLK = errno.EDEADLK
 
 
 class _Timespec(ctypes.Structure):
@@ -177,6 +180,15 @@ def _lock_for(lock: int, seconds: float) -> int:
     if _clocklock is not None:
         return int(_clocklock(lock, _CLOCK_MONOTONIC, _timespec(time.monotonic() + seconds)))
     return int(_timedlock(lock, _timespec(time.time() + seconds)))
+
+
+def _settle(lock: int) -> None:
+    """After an exception in a call that may hold ``lock`` (a signal handler's, say): if
+    this thread took it over from a dead owner and was cut short before making it
+    consistent, make it consistent, or the unlock that follows would make it unusable for
+    good.  (Taking it here, free or from a dead owner, is let go of by that unlock too.)"""
+    if _trylock(lock) in (_EDEADLK, _EOWNERDEAD):  # EDEADLK: this thread holds it
+        _consistent(lock)  # EINVAL, nothing done, unless it is inconsistent
 
 
 def _deadline(block: bool, timeout: float | None) -> float | None:
@@ -317,11 +329,11 @@ class Ring:
             raise self._refusal(n)
         lock = self._base + _W_LOCK
         deadline: float | None = _LATER
-        rc = _trylock(lock)
-        if rc:
-            deadline = self._take(lock, rc, _W_SLEEPS_I, block, _deadline(block, timeout),
-                                  queue.Full)
-        try:
+        try:  # from the try-lock on: an exception right after it finds the lock let go of
+            rc = _trylock(lock)
+            if rc:
+                deadline = self._take(lock, rc, _W_SLEEPS_I, block,
+                                      _deadline(block, timeout), queue.Full)
             t = q[_TAIL_Q]
             if t - q[_HEAD_Q] >= self.capacity:
                 if deadline == _LATER:
@@ -334,8 +346,11 @@ class Ring:
             if not _TSO:
                 _fence()  # the record before the tail that publishes it
             q[_TAIL_Q] = t + 1
+        except BaseException:
+            _settle(lock)
+            raise
         finally:
-            _unlock(lock)
+            _unlock(lock)  # EPERM, and nothing done, where this thread does not hold it
         if words[_R_SLEEPS_I]:
             _futex_wake(_SYS_FUTEX, self._base + _TAIL, _FUTEX_WAKE, 1)
 
@@ -347,11 +362,11 @@ class Ring:
             raise self._refusal(0)
         lock = self._base + _R_LOCK
         deadline: float | None = _LATER
-        rc = _trylock(lock)
-        if rc:
-            deadline = self._take(lock, rc, _R_SLEEPS_I, block, _deadline(block, timeout),
-                                  queue.Empty)
-        try:
+        try:  # as in put
+            rc = _trylock(lock)
+            if rc:
+                deadline = self._take(lock, rc, _R_SLEEPS_I, block,
+                                      _deadline(block, timeout), queue.Empty)
             h = q[_HEAD_Q]
             if q[_TAIL_Q] == h:
                 if deadline == _LATER:
@@ -367,6 +382,9 @@ class Ring:
             else:
                 data = None
                 q[_HEAD_Q] = h + 1  # stepped over: the ring stays in step
+        except BaseException:
+            _settle(lock)
+            raise
         finally:
             _unlock(lock)
         if words[_W_SLEEPS_I]:
@@ -389,19 +407,19 @@ class Ring:
             return bool(q[_TAIL_Q] != q[_HEAD_Q])
         lock = self._base + _R_LOCK
         deadline = _deadline(True, timeout)
-        rc = _trylock(lock)
-        try:
+        try:  # as in put
+            rc = _trylock(lock)
             if rc:
                 self._take(lock, rc, _R_SLEEPS_I, True, deadline, queue.Empty)
-        except queue.Empty:
-            return False
-        try:
             h = q[_HEAD_Q]
             if q[_TAIL_Q] == h:
                 self._sleep_while(_TAIL_Q, h, _R_SLEEPS_I, deadline, queue.Empty)
             return True
         except queue.Empty:
             return False
+        except BaseException:
+            _settle(lock)
+            raise
         finally:
             _unlock(lock)
 
@@ -436,6 +454,10 @@ class Ring:
             _consistent(lock)
             words[flag] = 0  # the dead owner may have been asleep
             self.recovered += 1
+        elif rc == _EDEADLK:
+            raise OSError(rc, "this thread already holds the ring's lock: a put or get "
+                          "called inside another (from a signal handler?) would wait for "
+                          "itself")
         elif rc:
             raise OSError(rc, f"could not take a ring's lock: {os.strerror(rc)}")
         return deadline
@@ -569,7 +591,9 @@ def _init_robust_mutexes(mem: mmap.mmap, offsets: tuple[int, ...]) -> None:
     try:
         for call in (_libc.pthread_mutexattr_init(attr),
                      _libc.pthread_mutexattr_setpshared(attr, 1),  # PTHREAD_PROCESS_SHARED
-                     _libc.pthread_mutexattr_setrobust(attr, 1)):  # PTHREAD_MUTEX_ROBUST
+                     _libc.pthread_mutexattr_setrobust(attr, 1),  # PTHREAD_MUTEX_ROBUST
+                     # PTHREAD_MUTEX_ERRORCHECK: the owner's own try-lock says EDEADLK
+                     _libc.pthread_mutexattr_settype(attr, 2)):
             if call:
                 raise OSError(call, f"pthread_mutexattr: {os.strerror(call)}")
         for off in offsets:

@@ -81,7 +81,7 @@ def wait_for(cond, what, timeout=JOIN):
 
 
 def flag(ring: Ring, off: int) -> int:
-    return ringmod._I.unpack_from(ring._mem, off)[0]
+    return ring._i[off // 4]
 
 
 # -- order and integrity ----------------------------------------------------------------
@@ -513,6 +513,86 @@ def test_signal_handler_exception_while_waiting(no_leaks, where):
         assert ringmod._unlock(ring._base + ringmod._R_LOCK) == 0
         ring.put(b"x")
         assert ring.get(timeout=JOIN) == b"x"
+
+
+def _raise_after(real, times: list[int]):
+    """``real``, then an exception as a signal handler might raise it once the call has
+    returned (the first ``times[0]`` calls)."""
+    def call(*args):
+        rc = real(*args)
+        if times[0] > 0:
+            times[0] -= 1
+            raise Interrupted
+        return rc
+    return call
+
+
+@pytest.mark.parametrize("method", ["put", "get", "poll"])
+def test_exception_right_after_the_lock_is_taken(no_leaks, monkeypatch, method):
+    """An exception between taking a lock and the call's own bookkeeping lets go of it."""
+    with Ring.create(2) as ring:
+        if method != "poll":  # poll takes no lock while a message waits
+            ring.put(b"x")
+        monkeypatch.setattr(ringmod, "_trylock", _raise_after(ringmod._trylock, [1]))
+        with pytest.raises(Interrupted):
+            if method == "put":
+                ring.put(b"y")
+            else:
+                getattr(ring, method)(timeout=0.01)
+        monkeypatch.undo()
+        for lock in (ringmod._W_LOCK, ringmod._R_LOCK):  # both free
+            assert ringmod._trylock(ring._base + lock) == 0
+            assert ringmod._unlock(ring._base + lock) == 0
+        ring.put(b"z", timeout=JOIN)
+        assert ring.get(timeout=JOIN) == (b"z" if method == "poll" else b"x")
+
+
+def test_exception_in_a_takeover(no_leaks, monkeypatch):
+    """An exception after a lock was taken over from a dead owner and before it was made
+    consistent: the lock stays usable (an unlock of an inconsistent robust mutex would
+    have made it unrecoverable)."""
+    with Ring.create(4) as ring:
+        p = ctx.Process(target=_die_mid_write, args=(ring,))
+        p.start()
+        join([p], codes=(-signal.SIGKILL,))
+        monkeypatch.setattr(ringmod, "_consistent", _raise_before(ringmod._consistent, [1]))
+        with pytest.raises(Interrupted):
+            ring.put(b"lost", timeout=JOIN)
+        monkeypatch.undo()
+        ring.put(b"after", timeout=JOIN)
+        assert ring.get(timeout=JOIN) == b"after" and ring.empty()
+
+
+def _raise_before(real, times: list[int]):
+    """An exception instead of the first ``times[0]`` calls of ``real``, then ``real``."""
+    def call(*args):
+        if times[0] > 0:
+            times[0] -= 1
+            raise Interrupted
+        return real(*args)
+    return call
+
+
+def test_a_call_inside_a_call_is_refused(no_leaks, monkeypatch):
+    """A put inside a put of the same thread (a signal handler's) gets an error that says
+    so instead of waiting for itself."""
+    with Ring.create(2) as ring:
+        real = ringmod._REC.pack_into
+
+        class Rec:
+            size = ringmod._REC_SIZE
+            unpack_from = ringmod._REC.unpack_from
+
+            @staticmethod
+            def pack_into(*args):
+                monkeypatch.setattr(ringmod, "_REC", ringmod.struct.Struct("QII"))
+                with pytest.raises(OSError, match="already holds the ring's lock"):
+                    ring.put(b"inner", timeout=JOIN)
+                real(*args)
+
+        monkeypatch.setattr(ringmod, "_REC", Rec)
+        ring.put(b"outer", timeout=JOIN)
+        assert ring.get(timeout=JOIN) == b"outer" and ring.empty()
 
 
 def test_malformed_record_is_stepped_over(no_leaks):
