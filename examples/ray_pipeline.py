@@ -108,7 +108,8 @@ def why(shared: bool, res: dict) -> str:
         if crossed:
             text += f"; {crossed} of {n} went to another host and back by Ray's transfer"
         return text
-    parts = []
+    parts = ["every result is still one small object in Ray's store (Ray tracks it, to "
+             "re-run its task if its node dies)"]
     if res["views"]:
         parts.append(f"{res['views']} of {n} consumers scaled a view of the producer's "
                      "memory in place and the driver got that memory back: nothing copied")
