@@ -96,7 +96,7 @@ def _contiguous(handle: Handle | CudaHandle) -> np.ndarray:
     is: nothing copied)."""
     from . import _cupy, _numpy
     if isinstance(handle, _cupy.CudaHandle):
-        return _cupy.read_for_agent(handle)
+        return np.ascontiguousarray(_cupy.read_for_agent(handle))
     return np.ascontiguousarray(_numpy.attach(handle))
 
 
