@@ -131,7 +131,9 @@ class Host:
         if self.init is None:
             return
         try:
-            os.kill(self.pid1, signal.SIGKILL)
+            pid1 = self.pid1
+            if os.readlink(f"/proc/{pid1}/ns/pid") == self.pidns:  # not a recycled pid
+                os.kill(pid1, signal.SIGKILL)
         except (OSError, IndexError, ValueError):
             pass
         try:
