@@ -329,9 +329,11 @@ class Ring:
             raise self._refusal(n)
         lock = self._base + _W_LOCK
         deadline: float | None = _LATER
+        nested = False  # this thread held the lock before this call: not ours to let go
         try:  # from the try-lock on: an exception right after it finds the lock let go of
             rc = _trylock(lock)
             if rc:
+                nested = rc == _EDEADLK
                 deadline = self._take(lock, rc, _W_SLEEPS_I, block,
                                       _deadline(block, timeout), queue.Full)
             t = q[_TAIL_Q]
@@ -347,10 +349,12 @@ class Ring:
                 _fence()  # the record before the tail that publishes it
             q[_TAIL_Q] = t + 1
         except BaseException:
-            _settle(lock)
+            if not nested:
+                _settle(lock)
             raise
         finally:
-            _unlock(lock)  # EPERM, and nothing done, where this thread does not hold it
+            if not nested:
+                _unlock(lock)  # EPERM, and nothing done, where this thread does not hold it
         if words[_R_SLEEPS_I]:
             _futex_wake(_SYS_FUTEX, self._base + _TAIL, _FUTEX_WAKE, 1)
 
@@ -362,9 +366,11 @@ class Ring:
             raise self._refusal(0)
         lock = self._base + _R_LOCK
         deadline: float | None = _LATER
-        try:  # as in put
+        nested = False  # as in put
+        try:
             rc = _trylock(lock)
             if rc:
+                nested = rc == _EDEADLK
                 deadline = self._take(lock, rc, _R_SLEEPS_I, block,
                                       _deadline(block, timeout), queue.Empty)
             h = q[_HEAD_Q]
@@ -383,10 +389,12 @@ class Ring:
                 data = None
                 q[_HEAD_Q] = h + 1  # stepped over: the ring stays in step
         except BaseException:
-            _settle(lock)
+            if not nested:
+                _settle(lock)
             raise
         finally:
-            _unlock(lock)
+            if not nested:
+                _unlock(lock)
         if words[_W_SLEEPS_I]:
             _futex_wake(_SYS_FUTEX, self._base + _HEAD, _FUTEX_WAKE, 1)
         if data is None:
@@ -407,9 +415,11 @@ class Ring:
             return bool(q[_TAIL_Q] != q[_HEAD_Q])
         lock = self._base + _R_LOCK
         deadline = _deadline(True, timeout)
-        try:  # as in put
+        nested = False  # as in put
+        try:
             rc = _trylock(lock)
             if rc:
+                nested = rc == _EDEADLK
                 self._take(lock, rc, _R_SLEEPS_I, True, deadline, queue.Empty)
             h = q[_HEAD_Q]
             if q[_TAIL_Q] == h:
@@ -418,10 +428,12 @@ class Ring:
         except queue.Empty:
             return False
         except BaseException:
-            _settle(lock)
+            if not nested:
+                _settle(lock)
             raise
         finally:
-            _unlock(lock)
+            if not nested:
+                _unlock(lock)
 
     def _refusal(self, n: int) -> Exception:
         if self._mem is None:

@@ -588,6 +588,13 @@ def test_a_call_inside_a_call_is_refused(no_leaks, monkeypatch):
                 monkeypatch.setattr(ringmod, "_REC", ringmod.struct.Struct("QII"))
                 with pytest.raises(OSError, match="already holds the ring's lock"):
                     ring.put(b"inner", timeout=JOIN)
+                for name in ("get", "poll"):  # the readers' lock, held the same way
+                    assert ringmod._trylock(ring._base + ringmod._R_LOCK) == 0
+                    with pytest.raises(OSError, match="already holds the ring's lock"):
+                        getattr(ring, name)(timeout=JOIN)
+                    assert ringmod._unlock(ring._base + ringmod._R_LOCK) == 0
+                # the outer put still holds the writers' lock
+                assert ringmod._trylock(ring._base + ringmod._W_LOCK) == errno.EDEADLK
                 real(*args)
 
         monkeypatch.setattr(ringmod, "_REC", Rec)
