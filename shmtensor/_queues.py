@@ -164,8 +164,7 @@ class _ShmQueue(_QueueBase):
         super()._reset(after_fork)
         self._turn = _read_turn()  # this process's side of the read lock
         self._unsent = [0]     # frames given to the feeder and not yet sent (under _notempty)
-        # who takes frames off the buffer to send them: the feeder, or a put helping it
-        self._sending = threading.Lock()
+        self._sending = _Sending()
         # send failures the feeder met, not yet raised (under _notempty)
         self._failures: list[BaseException] = []
 
@@ -254,14 +253,15 @@ class _ShmQueue(_QueueBase):
 
     def _help_send(self) -> None:
         """Send what the feeder has not sent yet, in order, as far as the socket takes it
-        now, unless the feeder is sending: a producer that puts faster than its reader
-        reads does not leave the sending to a thread that waits for the GIL after every
-        frame (it gets it only when this thread lets go), so its reader is not starved
-        meanwhile.  Never blocks: the write lock is only tried, and a frame the socket
-        does not take (full, too large, or an error) is left to the feeder, which reports
-        errors as the stdlib's does."""
+        now.  A producer that puts faster than its reader reads would otherwise leave the
+        sending to a thread that gets the GIL only when this one lets go (every switch
+        interval), and starve its reader meanwhile.  Waiting for the feeder's turn lets it
+        run too.  Never waits for the reader: the feeder's turn is waited for only while
+        the feeder is not in a blocking send (and at most ``_Sending.WAIT``), the write
+        lock is only tried, and a frame the socket does not take (full, too large, or an
+        error) is left to the feeder, which reports errors as the stdlib's does."""
         sending, buffer = self._sending, self._buffer
-        if not buffer or not sending.acquire(False):
+        if not buffer or sending.blocking or not sending.lock.acquire(True, sending.WAIT):
             return
         try:
             while buffer:
@@ -277,7 +277,7 @@ class _ShmQueue(_QueueBase):
                 with self._notempty:
                     self._unsent[0] -= 1
         finally:
-            sending.release()
+            sending.lock.release()
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         """The stdlib's, receiving a frame with its fds."""
@@ -385,7 +385,7 @@ class _ShmQueue(_QueueBase):
               writer_close: Callable[[], None], ignore_epipe: bool,
               onerror: Callable[[BaseException, object], None], queue_sem: BoundedSemaphore,
               unsent: list[int], failures: list[BaseException] | None,
-              sending: threading.Lock) -> None:
+              sending: _Sending) -> None:
         """The stdlib's ``Queue._feed``, sending the frames ``put`` made.  On an error it
         does what the stdlib's does (EPIPE ignored when asked, nothing reported while the
         process exits, else the semaphore given back and ``onerror(e, obj)`` called), and
@@ -398,7 +398,7 @@ class _ShmQueue(_QueueBase):
                 if not buffer:
                     notempty.wait()
             while True:
-                with sending:
+                with sending.lock:
                     try:
                         item = buffer.popleft()
                     except IndexError:
@@ -410,7 +410,7 @@ class _ShmQueue(_QueueBase):
                         return
                     done = True
                     try:
-                        done = _send_item(item, writer, writelock)
+                        done = _send_item(item, writer, writelock, sending)
                     except Exception as e:
                         if not _feed_failed(e, item, ignore_epipe, onerror, queue_sem,
                                             notempty, failures):
@@ -509,6 +509,20 @@ def _read_locked(reader: Connection, rlock: Lock, turn: ReadTurn,
             if held and held[0]: turn.lock.release()  # noqa: E701 (first call of its line)
 
 
+@final
+class _Sending:
+    """Who takes frames off a queue's buffer to send them: the feeder, or a put helping
+    it (``lock``); ``blocking`` while the feeder is in a send that waits for the reader."""
+
+    __slots__ = ("lock", "blocking")
+
+    WAIT = 0.005  # seconds a put waits for the feeder's turn
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.blocking = False
+
+
 def _try_send(item: Frame, writer: Connection, writelock: Lock | None, wait_lock: bool) -> bool:
     """Send a frame that ``scm_rights.at_once`` admits if the socket takes it now: True
     (and its buffer let go), or False with nothing sent (the socket full, or the write
@@ -526,7 +540,8 @@ def _try_send(item: Frame, writer: Connection, writelock: Lock | None, wait_lock
     return sent
 
 
-def _send_item(item: Frame | _Unpicklable, writer: Connection, writelock: Lock | None) -> bool:
+def _send_item(item: Frame | _Unpicklable, writer: Connection, writelock: Lock | None,
+               sending: _Sending) -> bool:
     """The feeder's send of a frame: False if the socket has no room for it now (nothing
     sent, the frame whole); else sent, or failed (its buffer let go either way: see
     ``send_error``).  A frame larger than one non-blocking send takes goes out blocking."""
@@ -535,11 +550,15 @@ def _send_item(item: Frame | _Unpicklable, writer: Connection, writelock: Lock |
     try:
         if writer._sock is not None and scm_rights.at_once(len(item.data), len(item.ctx.fds)):
             return _try_send(item, writer, writelock, True)
-        if writelock is None:
-            writer.send_frame(item.data, item.ctx.wire_fds())
-        else:
-            with writelock:
+        sending.blocking = True
+        try:
+            if writelock is None:
                 writer.send_frame(item.data, item.ctx.wire_fds())
+            else:
+                with writelock:
+                    writer.send_frame(item.data, item.ctx.wire_fds())
+        finally:
+            sending.blocking = False
     except BaseException:
         if item.obj is None:
             item.obj = bytes(item.data)  # what the stdlib's feeder gives its hook
