@@ -81,6 +81,7 @@ import struct
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .posix_shm import PREFIX
@@ -316,11 +317,15 @@ class Ring:
             raise
         return cls(own, mem)
 
-    def put(self, data: ReadableBuffer, block: bool = True,
-            timeout: float | None = None) -> None:
+    def put(self, data: ReadableBuffer, block: bool = True, timeout: float | None = None,
+            *, hook: Callable[[int], object] | None = None) -> None:
         """Append ``data`` (bytes-like, at most :attr:`payload_max` bytes); with a full
         ring, wait for room (``block``, up to ``timeout`` seconds) or raise
-        ``queue.Full``."""
+        ``queue.Full``.
+
+        ``hook(number)``: called under the writers' lock once there is room, before the
+        record is written; ``number`` is the record's place in the stream (0, 1, ...:
+        the tail).  If it raises, nothing is written."""
         if type(data) is not bytes:
             data = memoryview(data).cast("B")
         n = len(data)
@@ -342,6 +347,8 @@ class Ring:
                     deadline = _deadline(block, timeout)
                 self._sleep_while(_HEAD_Q, t - self.capacity, _W_SLEEPS_I, deadline,
                                   queue.Full)
+            if hook is not None:
+                hook(t)
             off = _RECORDS + t % self.capacity * self.record_size
             _REC.pack_into(mem, off, t + 1, self.index, n)
             mem[off + _REC_SIZE:off + _REC_SIZE + n] = data
@@ -358,9 +365,14 @@ class Ring:
         if words[_R_SLEEPS_I]:
             _futex_wake(_SYS_FUTEX, self._base + _TAIL, _FUTEX_WAKE, 1)
 
-    def get(self, block: bool = True, timeout: float | None = None) -> bytes:
+    def get(self, block: bool = True, timeout: float | None = None,
+            *, hook: Callable[[int, int, bytes], object] | None = None) -> bytes:
         """Take the oldest message; with an empty ring, wait for one (``block``, up to
-        ``timeout`` seconds) or raise ``queue.Empty``."""
+        ``timeout`` seconds) or raise ``queue.Empty``.
+
+        ``hook(number, writer_index, data)``: called under the readers' lock with the
+        message before it is taken (``number`` as in :meth:`put`; ``writer_index`` the
+        writer's process index).  If it raises, the message stays for the next ``get``."""
         mem, q, words = self._mem, self._q, self._i
         if mem is None or q is None or words is None:
             raise self._refusal(0)
@@ -384,6 +396,8 @@ class Ring:
             seq, k, n = _REC.unpack_from(mem, off)
             if seq == h + 1 and n <= self.payload_max and k < MAX_PROCS:
                 data = mem[off + _REC_SIZE:off + _REC_SIZE + n]
+                if hook is not None:
+                    hook(h, k, data)
                 q[_HEAD_Q] = h + 1
             else:
                 data = None
@@ -434,6 +448,42 @@ class Ring:
         finally:
             if not nested:
                 _unlock(lock)
+
+    def sync_writers(self, timeout: float | None = None) -> None:
+        """Take the writers' lock and let go of it: every write begun before this call
+        is then whole (or its writer dead).  ``TimeoutError`` after ``timeout`` seconds
+        (a writer may hold the lock while it waits for room)."""
+        if self._q is None:
+            raise self._refusal(0)
+        lock = self._base + _W_LOCK
+        nested = False  # as in put
+        try:
+            rc = _trylock(lock)
+            if rc:
+                nested = rc == _EDEADLK
+                self._take(lock, rc, _W_SLEEPS_I, True, _deadline(True, timeout),
+                           TimeoutError)
+        except BaseException:
+            if not nested:
+                _settle(lock)
+            raise
+        finally:
+            if not nested:
+                _unlock(lock)
+
+    @property
+    def tail(self) -> int:
+        """The number of records ever written (the next record's number)."""
+        if self._q is None:
+            raise self._refusal(0)
+        return int(self._q[_TAIL_Q])
+
+    @property
+    def head(self) -> int:
+        """The number of records ever taken (the oldest waiting record's number)."""
+        if self._q is None:
+            raise self._refusal(0)
+        return int(self._q[_HEAD_Q])
 
     def _refusal(self, n: int) -> Exception:
         if self._mem is None:

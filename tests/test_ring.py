@@ -290,6 +290,52 @@ def test_many_sleepers_threads(no_leaks):
         assert sorted(got) == [b"\0", b"\1", b"\2"]
 
 
+# -- hooks for the channel above --------------------------------------------------------
+
+def test_hooks(no_leaks):
+    """put's hook gets the record's number under the writers' lock, get's gets the
+    number, the writer's index and the message before it is taken; a hook that raises
+    writes (takes) nothing."""
+    with Ring.create(2) as ring:
+        seen: list[tuple] = []
+        ring.put(b"a", hook=lambda n: seen.append(("put", n, ring.tail)))
+        with pytest.raises(Interrupted):
+            ring.put(b"never", hook=_raise)
+        ring.put(b"b", hook=lambda n: seen.append(("put", n, ring.tail)))
+        assert seen == [("put", 0, 0), ("put", 1, 1)] and (ring.head, ring.tail) == (0, 2)
+        with pytest.raises(Interrupted):
+            ring.get(hook=_raise)
+        assert ring.get(hook=lambda *a: seen.append(("get",) + a)) == b"a"
+        assert ring.get(hook=lambda *a: seen.append(("get",) + a)) == b"b"
+        assert seen[2:] == [("get", 0, ring.index, b"a"), ("get", 1, ring.index, b"b")]
+        assert (ring.head, ring.tail) == (2, 2)
+        for lock in (ringmod._W_LOCK, ringmod._R_LOCK):  # both let go of
+            assert ringmod._trylock(ring._base + lock) == 0
+            assert ringmod._unlock(ring._base + lock) == 0
+
+
+def _raise(*args):
+    raise Interrupted
+
+
+def test_sync_writers(no_leaks):
+    """sync_writers waits for the writers' lock: behind a writer asleep on a full ring
+    it times out, and returns once that writer has written."""
+    with Ring.create(1) as ring:
+        ring.sync_writers(timeout=0)
+        ring.put(b"full")
+        t = threading.Thread(target=ring.put, args=(b"next",), kwargs={"timeout": JOIN})
+        t.start()
+        wait_for(lambda: flag(ring, ringmod._W_SLEEPS) == 1, "the writer's sleep")
+        with pytest.raises(TimeoutError):
+            ring.sync_writers(timeout=0.02)
+        assert ring.get(timeout=JOIN) == b"full"
+        ring.sync_writers(timeout=JOIN)
+        assert ring.tail == 2
+        t.join(JOIN)
+        assert not t.is_alive() and ring.get(timeout=JOIN) == b"next"
+
+
 # -- sizes, attaching, process indices --------------------------------------------------
 
 @pytest.mark.parametrize("record_size", [16, 64, 256, 1040])
