@@ -279,6 +279,22 @@ def test_a_result_off_the_drivers_node_carries_its_bytes(cluster):
     assert (ray.get(here) == 3.0).all() and (ray.get(put) == 1.0).all()
 
 
+def test_carried_results_are_spilled_and_restored(cluster):
+    """More results carried on the other node than its object store holds: Ray spills
+    some to disk and restores them when read, as it does plain arrays."""
+    from ray.experimental import get_object_locations
+    n = 3 << 20  # 24 MiB each, 5 of them: the node's store holds 80 MiB
+    refs = [make.options(**THERE).remote(n, float(i), "file_system") for i in range(5)]
+    ray.wait(refs, num_returns=len(refs), timeout=60, fetch_local=False)
+    spilled = poll(lambda: [i for i, loc in enumerate(get_object_locations(refs).values())
+                            if loc.get("did_spill")], "nothing spilled", timeout=60)
+    for i, ref in enumerate(refs):
+        a = ray.get(ref, timeout=60)
+        assert a.shape == (n,) and a[0] == i and a[-1] == i and shmtensor.is_shared(a)
+        del a
+    assert spilled  # and those came back from disk
+
+
 class Probe:
     """Says, once rebuilt, whether shmtensor.ray judged its serialization a task's result."""
 
