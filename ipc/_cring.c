@@ -33,8 +33,6 @@
 
 /* The layout: ring.py checks these against its own constants at import (LAYOUT). */
 #define VERSION 1
-#define CAPACITY 12    /* uint32: records in the ring */
-#define RECORD_SIZE 16 /* uint32: bytes per record */
 #define W_LOCK 64
 #define R_LOCK 128
 #define TAIL 192 /* uint64; its low half is the readers' futex word */
@@ -100,30 +98,48 @@ static int parse_base(PyObject *arg, char **base)
     return *base == NULL && PyErr_Occurred() ? -1 : 0;
 }
 
+/* The ring's capacity and record size as ring.py read them at attach and checked against
+   the mapping's size (not the header's words again: another process could change them). */
+static int parse_shape(PyObject *const *args, uint32_t *capacity, uint32_t *record_size)
+{
+    unsigned long c = PyLong_AsUnsignedLong(args[0]), r = PyLong_AsUnsignedLong(args[1]);
+    if (PyErr_Occurred())
+        return -1;
+    if (c < 1 || c > UINT32_MAX || r < REC_SIZE || r > UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "a ring's capacity or record size is out of range");
+        return -1;
+    }
+    *capacity = (uint32_t)c;
+    *record_size = (uint32_t)r;
+    return 0;
+}
+
 static PyObject *answer(int code) { return PyLong_FromLong(code); }
 
 PyDoc_STRVAR(put_doc,
-"put(base, index, data, hook) -> 0, 1 or 2\n\n"
-"Ring.put's fast path on the ring mapped at address base (0: closed), as process index\n"
-"index: 1 when data was written; 0 or 2 (a lock taken over from a dead owner) when\n"
+"put(base, capacity, record_size, index, data, hook) -> 0, 1 or 2\n\n"
+"Ring.put's fast path on the ring mapped at address base (0: closed) with the capacity\n"
+"and record size that ring.py checked against its mapping, as process index index: 1 when data was written; 0 or 2 (a lock taken over from a dead owner) when\n"
 "nothing was and ring.py must do the call.  hook: None or called with the record's\n"
 "number under the lock; its exception propagates, nothing written.");
 
 static PyObject *c_put(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     char *base;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "put(base, index, data, hook) takes 4 arguments");
+    uint32_t capacity, record_size;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "put(base, capacity, record_size, index, data, hook) takes 6 arguments");
         return NULL;
     }
-    if (parse_base(args[0], &base) < 0)
+    if (parse_base(args[0], &base) < 0 || parse_shape(args + 1, &capacity, &record_size) < 0)
         return NULL;
-    unsigned long index = PyLong_AsUnsignedLong(args[1]);
+    unsigned long index = PyLong_AsUnsignedLong(args[3]);
     if (index == (unsigned long)-1 && PyErr_Occurred())
         return NULL;
     if (base == NULL || index >= MAX_PROCS)
         return answer(SLOW);
-    PyObject *data = args[2], *hook = args[3];
+    PyObject *data = args[4], *hook = args[5];
     Py_buffer view;
     const char *src;
     Py_ssize_t n;
@@ -140,7 +156,6 @@ static PyObject *c_put(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         n = view.len;
         release = 1;
     }
-    uint32_t capacity = *u32(base, CAPACITY), record_size = *u32(base, RECORD_SIZE);
     int code = SLOW;
     if ((size_t)n > record_size - REC_SIZE)
         goto out; /* refused by ring.py */
@@ -184,8 +199,9 @@ out:
 }
 
 PyDoc_STRVAR(get_doc,
-"get(base, hook, into) -> bytes, 0 or 2\n\n"
-"Ring.get's fast path on the ring mapped at address base (0: closed): the message, or\n"
+"get(base, capacity, record_size, hook, into) -> bytes, 0 or 2\n\n"
+"Ring.get's fast path on the ring mapped at address base (0: closed), of capacity and\n"
+"record_size as put's: the message, or\n"
 "0 or 2 (a lock taken over from a dead owner) when nothing was taken and ring.py must\n"
 "do the call.  hook: None or called with (number, writer_index, data) under the lock\n"
 "before head advances; its exception propagates, the message stays.  into: None or a\n"
@@ -194,20 +210,21 @@ PyDoc_STRVAR(get_doc,
 static PyObject *c_get(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     char *base;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "get(base, hook, into) takes 3 arguments");
+    uint32_t capacity, record_size;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "get(base, capacity, record_size, hook, into) takes 5 arguments");
         return NULL;
     }
-    if (parse_base(args[0], &base) < 0)
+    if (parse_base(args[0], &base) < 0 || parse_shape(args + 1, &capacity, &record_size) < 0)
         return NULL;
-    PyObject *hook = args[1], *into = args[2];
+    PyObject *hook = args[3], *into = args[4];
     if (into != Py_None && !PyList_Check(into)) {
         PyErr_SetString(PyExc_TypeError, "a ring's get(into=...) takes a list");
         return NULL;
     }
     if (base == NULL)
         return answer(SLOW);
-    uint32_t capacity = *u32(base, CAPACITY), record_size = *u32(base, RECORD_SIZE);
     int code = try_take(base, R_LOCK, R_SLEEPS);
     if (code != HELD)
         return answer(code);

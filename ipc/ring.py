@@ -20,7 +20,9 @@ Facts this module is built on (Linux, x86-64 or aarch64, glibc or musl):
   load of another word may pass it: the mutex's unlock (an atomic exchange, a full
   barrier) closes that on the waker's side, the futex wait on the sleeper's side.  Every
   sleep is also bounded (``SLICE``) and re-checks, so a wake missed in any other way costs
-  a slice, never a hang.  Elsewhere, ``_fence`` orders what x86-64 orders by itself.
+  a slice, never a hang.  Elsewhere, ``_fence`` orders what x86-64 orders by itself.  The
+  C fast path (below) orders its accesses with release stores and acquire loads, and a
+  full fence between publishing and reading the other side's sleeper flag.
 * An OFD lock (``F_OFD_SETLK``) belongs to an open file description, and goes when the last
   fd of it closes: at the latest when its process dies.  A fork shares descriptions.
 
@@ -61,6 +63,24 @@ What a death leaves (the kernel frees the dead thread's lock; the next holder re
 A record whose sequence number or length is wrong (memory written by something else) is
 stepped over and reported as an ``OSError``; the ring stays in step (records have a
 fixed size).
+
+Two implementations of one protocol.  Where the C extension ``_cring`` (ipc/_cring.c) was
+built and ``SHMTENSOR_PURE_PYTHON`` is not set (ipc/_native.py), ``put`` and ``get`` first
+try the whole call in C: it goes through when the lock is free and there is room (a
+message); otherwise C changes nothing, holds nothing, and the Python code below does the
+call (waits with deadlines, a lock taken over from a dead owner, a malformed record, the
+errors).  The C call runs no Python code but the caller's hook, so a Python signal
+handler runs before or after it, never inside.  The slow paths call the locks and futexes
+through C too (ctypes without it).  Same layout, same steps, same flags: processes on
+either path share a ring.
+
+Taking a message and handing it to the caller are two steps: an exception (a signal
+handler's) after ``head`` advanced and before the caller holds the message loses it.
+``get(into=list)`` closes that window: the append and the advance are one step (nothing
+runs between them in C; in Python, an exception between them is caught and the advance
+made), so if ``get`` raises, the message is in the list or still in the ring.  A caller
+that must not lose a message takes it with ``into`` (or records it in ``hook``, which runs
+before ``head`` advances and leaves the message in the ring if it raises).
 
 Each process that maps a ring holds a *process index* ``k``: a write lock on byte
 ``LIVE + k`` of the memfd, through a description of its own.  The index is written into
@@ -148,9 +168,10 @@ _wake: Callable[[int], object]  # FUTEX_WAKE one sleeper
 _fence: Callable[[], object]  # a full barrier (where the hardware does not keep order)
 # Ring.put's and Ring.get's whole call when it needs no wait and no repair (ipc/_cring.c
 # says what they answer); None: the Python code below does every call.
-_cput: Callable[[int, int, ReadableBuffer, Callable[[int], object] | None], int] | None
-_cget: Callable[[int, Callable[[int, int, bytes], object] | None, list[bytes] | None],
-                bytes | int] | None
+_cput: Callable[[int, int, int, int, ReadableBuffer, Callable[[int], object] | None],
+                int] | None
+_cget: Callable[[int, int, int, Callable[[int, int, bytes], object] | None,
+                 list[bytes] | None], bytes | int] | None
 
 _libc = ctypes.CDLL(None, use_errno=True)  # lets go of the GIL in a call
 _c = native("_cring")
@@ -361,7 +382,8 @@ class Ring:
         record is written; ``number`` is the record's place in the stream (0, 1, ...:
         the tail).  If it raises, nothing is written."""
         if _cput is not None:  # the whole call in C, unless it must wait or repair
-            done = _cput(self._base, self.index, data, hook)
+            done = _cput(self._base, self.capacity, self.record_size, self.index, data,
+                         hook)
             if done == 1:
                 return
             if done:
@@ -424,7 +446,7 @@ class Ring:
         an exception between them is caught and the advance made, and only a second
         exception inside that repair could leave the message in both.)"""
         if _cget is not None:  # the whole call in C, unless it must wait or repair
-            got = _cget(self._base, hook, into)
+            got = _cget(self._base, self.capacity, self.record_size, hook, into)
             if type(got) is bytes:
                 return got
             if got:
