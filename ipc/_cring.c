@@ -102,8 +102,11 @@ static int parse_base(PyObject *arg, char **base)
    the mapping's size (not the header's words again: another process could change them). */
 static int parse_shape(PyObject *const *args, uint32_t *capacity, uint32_t *record_size)
 {
-    unsigned long c = PyLong_AsUnsignedLong(args[0]), r = PyLong_AsUnsignedLong(args[1]);
-    if (PyErr_Occurred())
+    unsigned long c = PyLong_AsUnsignedLong(args[0]), r;
+    if (c == (unsigned long)-1 && PyErr_Occurred())
+        return -1;
+    r = PyLong_AsUnsignedLong(args[1]);
+    if (r == (unsigned long)-1 && PyErr_Occurred())
         return -1;
     if (c < 1 || c > UINT32_MAX || r < REC_SIZE || r > UINT32_MAX) {
         PyErr_SetString(PyExc_ValueError, "a ring's capacity or record size is out of range");
@@ -119,7 +122,8 @@ static PyObject *answer(int code) { return PyLong_FromLong(code); }
 PyDoc_STRVAR(put_doc,
 "put(base, capacity, record_size, index, data, hook) -> 0, 1 or 2\n\n"
 "Ring.put's fast path on the ring mapped at address base (0: closed) with the capacity\n"
-"and record size that ring.py checked against its mapping, as process index index: 1 when data was written; 0 or 2 (a lock taken over from a dead owner) when\n"
+"and record size that ring.py checked against its mapping, as process index index: 1\n"
+"when data was written; 0 or 2 (a lock taken over from a dead owner) when\n"
 "nothing was and ring.py must do the call.  hook: None or called with the record's\n"
 "number under the lock; its exception propagates, nothing written.");
 
@@ -128,8 +132,8 @@ static PyObject *c_put(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     char *base;
     uint32_t capacity, record_size;
     if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError,
-                        "put(base, capacity, record_size, index, data, hook) takes 6 arguments");
+        PyErr_SetString(PyExc_TypeError, "put(base, capacity, record_size, index, data, "
+                                         "hook) takes 6 arguments");
         return NULL;
     }
     if (parse_base(args[0], &base) < 0 || parse_shape(args + 1, &capacity, &record_size) < 0)
@@ -270,9 +274,20 @@ static PyObject *address_call(PyObject *arg, int (*call)(pthread_mutex_t *))
     return PyLong_FromLong(call((pthread_mutex_t *)base));
 }
 
-static PyObject *c_trylock(PyObject *m, PyObject *a) { return address_call(a, pthread_mutex_trylock); }
-static PyObject *c_unlock(PyObject *m, PyObject *a) { return address_call(a, pthread_mutex_unlock); }
-static PyObject *c_consistent(PyObject *m, PyObject *a) { return address_call(a, pthread_mutex_consistent); }
+static PyObject *c_trylock(PyObject *m, PyObject *a)
+{
+    return address_call(a, pthread_mutex_trylock);
+}
+
+static PyObject *c_unlock(PyObject *m, PyObject *a)
+{
+    return address_call(a, pthread_mutex_unlock);
+}
+
+static PyObject *c_consistent(PyObject *m, PyObject *a)
+{
+    return address_call(a, pthread_mutex_consistent);
+}
 
 static void deadline(clockid_t clock, double seconds, struct timespec *ts)
 {

@@ -960,7 +960,8 @@ def test_buffers_other_than_bytes(no_leaks):
         ring.put(bytearray(b"ab"))
         ring.put(memoryview(b"xcdx")[1:3])
         ring.put(array.array("I", [1, 2]))
-        assert [ring.get() for _ in range(3)] == [b"ab", b"cd", bytes(array.array("I", [1, 2]))]
+        assert [ring.get() for _ in range(3)] == [b"ab", b"cd",
+                                                  bytes(array.array("I", [1, 2]))]
         with pytest.raises(TypeError):
             ring.put(memoryview(b"abcd")[::2])
         with pytest.raises(ValueError, match="does not fit"):
