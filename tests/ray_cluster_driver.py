@@ -239,6 +239,43 @@ def case_agents() -> dict:
     return {"agents": agents, "job": job}
 
 
+@ray.remote
+def keep_fetching(refs, started):
+    """On B: read the array put on A (64 MiB from A's agent) again and again."""
+    ray.get(started.signal.remote())
+    while True:
+        ray.get(refs[0])
+
+
+@ray.remote(num_cpus=0)
+class Signal:
+    def __init__(self):
+        self.count = 0
+
+    def signal(self):
+        self.count += 1
+
+    def seen(self):
+        return self.count
+
+
+def case_abandon() -> dict:
+    """The driver exits at once (no shutdown) while tasks on B fetch its array: what of
+    the job is left is for the test to find (nothing)."""
+    x = shmtensor.full(8 << 20, 1.0)
+    refs = [ray.put(x)]
+    started = Signal.options(**A).remote()
+    tasks = [keep_fetching.options(**B).remote(refs, started) for _ in range(2)]
+    deadline = time.monotonic() + 60
+    while ray.get(started.seen.remote()) < len(tasks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # a fetch under way
+    print(json.dumps({"job": ray.get_runtime_context().get_job_id(),
+                      "started": ray.get(started.seen.remote()), "tasks": len(tasks)}),
+          flush=True)
+    os._exit(0)
+
+
 def case_listed() -> dict:
     """The agents alive, seen from a plain Ray driver (no shmtensor.ray.init)."""
     from shmtensor.ray import _agent

@@ -90,6 +90,22 @@ def test_agents_belong_to_the_job(cluster):
     assert left == []
 
 
+def test_a_job_that_ends_mid_fetch_leaves_nothing(cluster):
+    """The driver exits (no shutdown) while tasks on B fetch its array from A's agent:
+    the job's agents, workers and memory go with it."""
+    r = cluster.driver(DRIVER, "abandon")
+    assert r["started"] == r["tasks"], r
+    deadline = time.monotonic() + 30
+    while True:
+        left = [a for a in cluster.driver(DRIVER, "listed")["agents"] if f"-{r['job']}-" in a]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert left == []
+    assert no_shm_left(cluster, cluster.a) == []
+    assert no_shm_left(cluster, cluster.b) == []
+
+
 def test_nothing_left_in_either_hosts_shm(cluster):
     assert no_shm_left(cluster, cluster.a) == []
     assert no_shm_left(cluster, cluster.b) == []
