@@ -152,6 +152,27 @@ def test_other_host_gets_a_correct_copy(cluster, strategy):
     assert shmtensor.is_shared(b)
 
 
+@ray.remote
+def echo_plus(a, k):
+    """``a`` and a new array made from it here (for a task on another host: by value both
+    ways, the second as a result carrying its bytes)."""
+    import shmtensor
+    b = shmtensor.empty(a.shape, a.dtype)
+    b[...] = a + k
+    return [shmtensor.is_shared(a), a.shape, float(a.sum()), b, b.T]
+
+
+def test_empty_and_strided_arrays_cross_hosts(cluster):
+    for a in (shmtensor.zeros(0), shmtensor.zeros((0, 3)),
+              shmtensor.full((20, 30), 2.0)[::3, ::-2],  # strided, negative
+              shmtensor.full((6, 4), 1.0, dtype=np.float32).T):  # Fortran order
+        shared, shape, total, b, bt = ray.get(echo_plus.options(**THERE).remote(a, 1))
+        assert tuple(shape) == a.shape and total == float(a.sum())
+        assert shared is True or a.size == 0
+        assert (b == a + 1).all() and (bt == (a + 1).T).all() and b.dtype == a.dtype
+        assert b.flags.writeable and bt.flags.writeable
+
+
 def test_made_on_another_host_arrives_by_value(cluster, strategy):
     b = ray.get(make.options(**THERE).remote(5000, 7.0, strategy))
     assert b.shape == (5000,) and (b == 7.0).all() and shmtensor.is_shared(b)
