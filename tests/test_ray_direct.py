@@ -59,10 +59,13 @@ def fetch(ep: _direct.Endpoint, k: int) -> np.ndarray:
 def peer(ep: _direct.Endpoint, data: bytes, close: bool = True) -> bytes:
     """Send ``data`` as a raw peer; what the server answers until it closes (b"": none)."""
     with socket.create_connection((ep.ip, ep.port), timeout=10) as c:
-        c.sendall(data)
-        if close:
-            c.shutdown(socket.SHUT_WR)
         got = b""
+        try:
+            c.sendall(data)
+            if close:
+                c.shutdown(socket.SHUT_WR)
+        except OSError:  # closed before all was sent (a pipe broken, a reset, ENOTCONN)
+            return got
         while True:
             try:
                 chunk = c.recv(65536)
