@@ -22,8 +22,9 @@ The creator may reuse segment ``i`` once nobody holds byte ``i``: every array vi
 process is gone, no message carrying it is in flight, or the holders are dead.
 
 A receiver may also keep a message's in-flight description as its hold, when that
-description covers exactly the one slot it needs (:func:`establish`): then no lock is taken
-or dropped on receipt, and letting go is one ``close``.  The number of descriptions kept
+description covers exactly the one slot it needs (:func:`hold`, or :func:`establish` at the
+end of a load): then no lock is taken or dropped on receipt, and letting go is one
+``close``.  The number of descriptions kept
 this way is bounded (:func:`kept_budget`).
 
 Linux keeps one list of record locks per file, and every lock change and every close of a
@@ -249,46 +250,62 @@ def _holding(table_id: str) -> _Holding:
     return h
 
 
-def hold(table_id: str, slot: int, fd_source: int | None = None,
-         deferred: Deferred | None = None, token: list[int] | None = None) -> None:
-    """Hold ``slot`` of ``table_id`` through this process's description of its file (made
-    from ``fd_source``, a description of that file, if this process has none yet).
+def hold(table_id: str, slot: int, source: int | list[int] | None = None,
+         deferred: Deferred | None = None, token: list[int] | None = None) -> bool:
+    """Hold ``slot`` of ``table_id``; ``source`` says how a new hold is taken:
 
-    ``deferred``: the caller is loading a message whose in-flight description
-    ``fd_source`` covers the slot until the load ends; a new hold is then only counted, and
-    ``(table_id, slot, fd_source)`` appended, for :func:`establish` at the end of the load.
+    * None: through this process's description of the table's file (its own table's, or
+      a peer's it holds from already), by a read lock;
+    * a description of that file (an int): the same, the description made from it if this
+      process has none yet.  With ``deferred``: the caller is loading a message whose
+      in-flight description ``source`` covers the slot until the load ends; a new hold is
+      then only counted, and ``(table_id, slot, source)`` appended, for :func:`establish`
+      at the end of the load;
+    * a loaded message's fd list, its in-flight description last, covering ``slot``
+      alone: that description itself becomes the hold, within :func:`kept_budget`
+      (returns True; it leaves the list, -1, in the same step as the holding takes it, so
+      an exception raised anywhere, a signal handler's, never leaves it owned twice), else
+      a lock as above.
 
     ``token``: an empty list, which gets an entry in the step that counts the hold, for
     :func:`release` to let go of it exactly once."""
-    entry = (table_id, slot, fd_source)  # made outside h.lock: no GC pass in there for it
+    entry = (table_id, slot, source)  # made outside h.lock: no GC pass in there for it
     if token is None:
         token = []
+    sole = type(source) is list
     while True:
         h = _holdings.get(table_id)
         if h is None:
-            if fd_source is None and (_own is None or _own.id != table_id):
+            if source is None and (_own is None or _own.id != table_id):
                 raise KeyError(f"no description of lease table {table_id} in this process")
             h = _holding(table_id)
         with h.lock:
             if h.gone:  # forgotten meanwhile: adopt again
                 continue
-            fd = h.fd_for(slot, fd_source)
-            n = h.counts.get(slot, 0)
+            # (source is the list when sole, else an int or None: mypy narrows by
+            # isinstance only, and type() is faster)
+            fd = -1 if sole else h.fd_for(slot, source)  # type: ignore[arg-type]
+            counts = h.counts
+            n = counts.get(slot, 0)
             # first, counted and recorded in one step: a release finds the hold, however
             # far it got
-            h.counts[slot] = n + 1; token.append(slot)  # noqa: E702
-            if n == 0:
-                try:
-                    if deferred is None or fd_source is None:
-                        _setlk(fd, fcntl.F_RDLCK, slot)
-                        h.by[slot] = -1
-                    else:
-                        # fd_source is an int here: ``entry`` was made before the test
-                        deferred.append(entry)  # type: ignore[arg-type]
-                except OSError:  # no lock to be had: nothing held
-                    _uncount(h.counts, slot, token)
-                    raise
-            return
+            counts[slot] = n + 1; token.append(slot)  # noqa: E702
+            if n:
+                return False
+            try:
+                if sole:  # the message's list (see above)
+                    return _make_real(h, slot, source, True,  # type: ignore[arg-type]
+                                      _budget[0] if _budget else kept_budget())
+                if deferred is None or source is None:
+                    _setlk(fd, fcntl.F_RDLCK, slot)
+                    h.by[slot] = -1
+                else:
+                    # source is an int here: ``entry`` was made before the test
+                    deferred.append(entry)  # type: ignore[arg-type]
+                return False
+            except OSError:  # no fd or lock to be had: nothing held
+                _uncount(counts, slot, token)
+                raise
 
 
 def _uncount(counts: dict[int, int], slot: int, token: list[int]) -> None:
@@ -457,34 +474,10 @@ def establish(table_id: str, slot: int, inflight: int | list[int], sole: bool,
         return keep
 
 
-def hold_sole(table_id: str, slot: int, inflight: int | list[int], i: int = -1,
-              token: list[int] | None = None) -> bool:
-    """:func:`hold` + :func:`establish` in one step, for a loaded message whose in-flight
-    description ``inflight`` covers ``slot`` alone (see ``shmtensor.cuda._vmm``'s lane).
-    Returns True when ``inflight`` became the hold (the caller must then not close it).
-    ``inflight`` may be the message's fd list and ``i`` its index there: a description
-    kept as the hold then leaves the list (-1) in the same step as the holding takes it,
-    so an exception raised anywhere (a signal handler's) never leaves it owned twice.
-    ``token``: as for :func:`hold`."""
-    budget = _budget[0] if _budget else kept_budget()
-    if token is None:
-        token = []
-    while True:
-        h = _holdings.get(table_id) or _holding(table_id)
-        with h.lock:
-            if h.gone:  # forgotten meanwhile: adopt again
-                continue
-            counts = h.counts
-            n = counts.get(slot, 0)
-            # first, counted and recorded in one step: see hold()
-            counts[slot] = n + 1; token.append(slot)  # noqa: E702
-            if n:
-                return False
-            try:
-                return _make_real(h, slot, inflight, True, budget, i)
-            except OSError:  # no fd or lock to be had: nothing held
-                _uncount(counts, slot, token)
-                raise
+def hold_sole(table_id: str, slot: int, inflight: int) -> bool:
+    """:func:`hold` by ``inflight``, a loaded message's in-flight description covering
+    ``slot`` alone: True when it became the hold (the caller must then not close it)."""
+    return hold(table_id, slot, [inflight])
 
 
 def _make_real(h: _Holding, slot: int, inflight: int | list[int], sole: bool, budget: int,
@@ -511,12 +504,12 @@ def _make_real(h: _Holding, slot: int, inflight: int | list[int], sole: bool, bu
 def release(table_id: str, slot: int, token: list[int] | None = None) -> None:
     """Let go of one hold on ``slot`` of ``table_id`` (the last one drops the lock).
 
-    ``token``: the list :func:`hold` (or :func:`hold_sole`) recorded the hold in.  The hold
-    is then let go of once, however often this is called: only while ``token`` has its
-    entry, and the entry goes in the step that lets go (C from the first change to the
-    last, so no signal handler runs in between).  A caller cut short by an exception (a
-    signal handler's, in a finalizer) may call again: it finishes the release, or finds
-    it done, and never takes a later hold on the slot for this one."""
+    ``token``: the list :func:`hold` recorded the hold in.  The hold is then let go of
+    once, however often this is called: only while ``token`` has its entry, and the entry
+    goes in the step that lets go (C from the first change to the last, so no signal
+    handler runs in between).  A caller cut short by an exception (a signal handler's, in
+    a finalizer) may call again: it finishes the release, or finds it done, and never
+    takes a later hold on the slot for this one."""
     global _kept
     if token is None:
         release_many(table_id, (slot,))

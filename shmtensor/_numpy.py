@@ -149,14 +149,14 @@ _dtypes: dict[str, np.dtype[Any]] = {}
 def lane_loads(data: Payload, fds: list[int]) -> np.ndarray:
     """The array of a :func:`lane_dumps` message; closes every fd it does not keep.
     The message's in-flight description covers this one slot, so it may itself become the
-    hold (``_segments.receive_sole``), with nothing deferred."""
+    hold (``_segments.receive`` given the fd list as the lease), with nothing deferred."""
     try:
         (key, kind, size, table_id, slot, offset, shape, strides, dtype,
          readonly) = pickle.loads(memoryview(data)[len(NUMPY_LANE):])
         if len(fds) != (2 if kind == FD else 1):
             raise pickle.UnpicklingError(f"a shared array came with {len(fds)} fds")
         # what the segment keeps leaves ``fds`` as it is taken: the finally closes the rest
-        anchor = _segments.receive_sole(key, kind, size, table_id, slot, fds)
+        anchor = _segments.receive(key, kind, size, table_id, slot, fds, fds)[0]
         dt = _dtypes.get(dtype) if type(dtype) is str else None
         if dt is None:
             dt = np.dtype(dtype)

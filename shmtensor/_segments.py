@@ -109,11 +109,12 @@ class Segment:
     slab: bool
     file: _SharedFile | None  # the file it shares with other segments, if any
 
-    def anchor(self, lease_fd: int | None = None,
+    def anchor(self, lease: int | list[int] | None = None,
                deferred: Deferred | None = None) -> np.ndarray:
-        """The live anchor (made, and the lease held, if none is alive).  ``lease_fd``: a
-        description of the segment's lease table, for a process that has none yet (and,
-        with ``deferred``, the message's in-flight lock: see ``ofd_lease.hold``)."""
+        """The live anchor (made, and the lease held, if none is alive).  ``lease`` and
+        ``deferred`` say how a new hold is taken: ``ofd_lease.hold``'s ``source`` and
+        ``deferred`` (a received segment's: its message's in-flight description, or the
+        message's fd list when that description covers this slot alone)."""
         ref = self._anchor
         a = ref() if ref is not None else None
         if a is None:
@@ -125,32 +126,11 @@ class Segment:
                     a = self._buffer()
                     token = self._watch(a)
                     try:
-                        ofd_lease.hold(self.table_id, self.slot, lease_fd, deferred, token)
+                        ofd_lease.hold(self.table_id, self.slot, lease, deferred, token)
                     except OSError:  # no lock or fd: nothing held, and nothing to release
                         self._anchor = None
                         raise
         return a
-
-    def anchor_sole(self, inflight: int | list[int]) -> tuple[np.ndarray, bool]:
-        """The live anchor, or a new one held through ``inflight`` (a message's in-flight
-        description covering this segment's slot alone: ``ofd_lease.hold_sole``; the
-        message's fd list, the description last, which it then leaves).  Returns it and
-        whether ``inflight`` became the hold (the caller must then not close it)."""
-        ref = self._anchor
-        a = ref() if ref is not None else None
-        if a is not None:
-            return a, False
-        with _lock:
-            a = self._anchor() if self._anchor is not None else None
-            if a is not None:
-                return a, False
-            a = self._buffer()
-            token = self._watch(a)  # first: see anchor()
-            try:
-                return a, ofd_lease.hold_sole(self.table_id, self.slot, inflight, -1, token)
-            except OSError:  # no lock or fd: nothing held, and nothing to release
-                self._anchor = None
-                raise
 
     def _buffer(self) -> np.ndarray:
         if self.mm is None:
@@ -755,41 +735,28 @@ def trim(force: bool = False) -> int:
 # --- attached segments (the receive cache) ------------------------------------------------
 
 def receive(key: str, kind: str, size: int, table_id: str, slot: int,
-            fd: int | list[int] | None, lease_fd: int, deferred: Deferred | None = None,
-            fd_i: int = 0) -> tuple[np.ndarray, bool]:
+            fd: int | list[int] | None, lease: int | list[int],
+            deferred: Deferred | None = None, fd_i: int = 0) -> tuple[np.ndarray, bool]:
     """The anchor of segment ``key`` here, mapping the segment if this process has not
-    (from ``fd``, or by name); ``lease_fd`` came with the message (its in-flight lock;
-    ``deferred`` as for ``ofd_lease.hold``).  ``fd`` may be the message's fd list, the
-    memfd at ``fd_i``, which a kept memfd leaves (see :func:`_attached`).  Returns (anchor,
-    whether the memfd was kept)."""
+    (from ``fd``, or by name), and whether its memfd was kept.  ``fd`` may be the
+    message's fd list, the memfd at ``fd_i``.  ``lease`` and ``deferred`` are
+    :meth:`Segment.anchor`'s: the message's in-flight description (with ``deferred`` while
+    a pickle is loaded), or the message's fd list when that description, last, covers this
+    segment alone (a one-array message).  What is kept (the memfd, the description) leaves
+    the list in the same step as it is taken, so the caller closes what is left, however
+    this ends."""
     with _lock:  # lookup, map and anchor as one step: eviction cannot slip in between
         seg, took = _attached(key, kind, size, table_id, slot, fd, fd_i)
         try:
-            return seg.anchor(lease_fd, deferred), took
+            return seg.anchor(lease, deferred), took
         except BaseException:
             _unanchored(seg, took, fd if type(fd) is list else None, fd_i)
             raise
 
 
-def receive_sole(key: str, kind: str, size: int, table_id: str, slot: int,
-                 fds: list[int]) -> np.ndarray:
-    """:func:`receive` for a message whose in-flight description covers this segment's
-    slot alone (a one-array message): ``fds`` is the message's, the segment's memfd first
-    (``FD`` kind), the description last; the hold is made at once
-    (:meth:`Segment.anchor_sole`).  What is kept leaves ``fds`` (-1) in the same step as
-    it is taken, so the caller closes what is left, however this ends."""
-    with _lock:
-        seg, took = _attached(key, kind, size, table_id, slot, fds if kind == FD else None)
-        try:
-            return seg.anchor_sole(fds)[0]
-        except BaseException:
-            _unanchored(seg, took, fds)
-            raise
-
-
 def _unanchored(seg: Segment, took: bool, fds: list[int] | None = None, i: int = 0) -> None:
     """A received segment whose anchor could not be made (its hold failed: no fd or lock
-    left): the message's fd stays the caller's to close (back in ``fds``, at 0, when it
+    left): the message's fd stays the caller's to close (back in ``fds``, at ``i``, when it
     was taken from there), and the mapping idles in the receive cache instead of staying
     mapped for good (caller holds ``_lock``)."""
     global _kept_fds

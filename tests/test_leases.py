@@ -378,7 +378,7 @@ def test_a_one_array_message_whose_hold_fails_leaks_no_fd_and_stays_evictable(lc
         def no_locks(*args):
             raise OSError(errno.ENOLCK, "no locks available")
 
-        monkeypatch.setattr(ofd_lease, "hold_sole", no_locks)
+        monkeypatch.setattr(ofd_lease, "hold", no_locks)
         kept, fds = _segments._kept_fds, _open_fds()
         with pytest.raises(OSError, match="no locks available; the message was received and "
                            "discarded"):

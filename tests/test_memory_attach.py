@@ -55,7 +55,7 @@ def test_a_size_past_the_end_of_the_memfd_is_an_error_not_a_sigbus():
         # the segment level: a refused message keeps its fds in its list, the caller's
         fds = list(forged(1 << 20))
         try:
-            _segments.receive_sole(key, _segments.FD, 1 << 20, table.id, 99, fds)
+            _segments.receive(key, _segments.FD, 1 << 20, table.id, 99, fds, fds)
         except ValueError:
             pass
         assert -1 not in fds  # nothing taken

@@ -37,7 +37,7 @@ def _fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
-@pytest.mark.parametrize("where", [(ofd_lease, "hold_sole"), (_segments, "_attached")],
+@pytest.mark.parametrize("where", [(ofd_lease, "hold"), (_segments, "_attached")],
                          ids=["after-the-hold", "after-the-map"])
 def test_an_exception_after_a_load_took_its_fds_leaks_nothing(lc, monkeypatch, where):
     ctx = smp.get_context("spawn")
