@@ -38,7 +38,6 @@ from __future__ import annotations
 import collections
 import errno
 import os
-import select
 import sys
 import threading
 import time
@@ -53,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Protocol, final
 from shmtensor.ipc import scm_rights
 
 from . import _reductions
+from ._channel import Channel, Lost
 from ._connection import Connection, Pipe, dumps_to_send, send_error
 from ._wire import SendContext
 
@@ -99,6 +99,8 @@ else:  # the stdlib's classes are generic for typing only (subscripted from 3.12
     _StdQueue = _mpq.Queue
     _StdJoinableQueue = _mpq.JoinableQueue
 
+_RING_DEPTH = 1024  # records in a queue's ring; beyond, put()s wait in the feeder's buffer
+_ROOM_POLL = 0.0005  # seconds the feeder waits before it tries a full channel again
 _sentinel: object = _mpq._sentinel  # type: ignore[attr-defined]  # private: the stdlib's finalizer appends it to stop the feeder
 
 
@@ -158,7 +160,19 @@ class _ShmQueue(_QueueBase):
         self._reader.close()
         self._writer.close()
         self._reader, self._writer = Pipe(duplex=False)
+        # a ring as deep as maxsize never fills (the semaphore counts what is in it)
+        self._chan = Channel.create(min(self._maxsize, _RING_DEPTH))
         self._reset()
+
+    def __getstate__(self) -> Any:
+        return (*super().__getstate__(), self._chan)  # type: ignore[misc]
+
+    def __setstate__(self, state: Any) -> None:
+        self._chan = state[-1]
+        super().__setstate__(state[:-1])  # type: ignore[misc]
+
+    def empty(self) -> bool:
+        return self._chan.empty()
 
     def _reset(self, after_fork: bool = False) -> None:
         super()._reset(after_fork)
@@ -172,24 +186,14 @@ class _ShmQueue(_QueueBase):
         """Send a message in this thread if that keeps the queue's order and the socket
         takes it whole at once (the caller holds ``_notempty``).  False leaves it to the
         feeder thread; a failure raises (the socket is untouched)."""
-        sock = self._writer._sock
-        if self._unsent[0] or sock is None or len(data) > scm_rights.ATOMIC_MAX:
-            return False
-        wlock = self._wlock
-        if wlock is not None and not wlock.acquire(False):
+        if self._unsent[0]:
             return False
         try:
-            sent = scm_rights.try_send_frame(sock, data, ctx.wire_fds())
-        except BrokenPipeError:
-            if self._ignore_epipe:  # concurrent.futures: the feeder drops it, as in the stdlib
-                return False
-            raise
-        finally:
-            if wlock is not None:
-                wlock.release()
-        if sent:
-            ctx.release()
-        return sent
+            self._chan.send(data, ctx.wire_fds(), False)
+        except Full:
+            return False
+        ctx.release()
+        return True
 
     def _raise_failures(self, outcome: str) -> None:
         """Raise the first send failure the feeder recorded (and forget them all)."""
@@ -269,7 +273,7 @@ class _ShmQueue(_QueueBase):
                 if type(item) is not Frame:
                     return
                 try:
-                    if not _try_send(item, self._writer, self._wlock, False):
+                    if not _try_send(item, self._chan):
                         return
                 except Exception:
                     return  # the frame is whole: the feeder meets the error and reports it
@@ -283,18 +287,14 @@ class _ShmQueue(_QueueBase):
         """The stdlib's, receiving a frame with its fds."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        reader = self._reader
-        if block and timeout is None:
-            frame = _read_locked(reader, self._rlock, self._turn, (), None)
-        elif block and timeout is not None:
-            deadline = time.monotonic() + timeout  # the whole frame within the timeout
-            frame = _read_locked(reader, self._rlock, self._turn, (True, timeout), deadline)
-        else:
-            frame = _read_locked(reader, self._rlock, self._turn, (False,), 0.0)
-        if frame is None:
-            raise Empty
+        chan = self._chan
+        try:
+            frame = chan.receive(block, timeout)
+        except Lost:
+            self._sem.release()  # taken off the queue, if not delivered
+            raise
         _count(frame, self._sem)
-        return reader.take(_reductions.loads)
+        return chan.take(_reductions.loads)
 
     async def get_async(self, block: bool = True, timeout: float | None = None) -> Any:
         """:meth:`get`, awaited: waits for the socket to be readable in the running event
@@ -303,15 +303,21 @@ class _ShmQueue(_QueueBase):
         Cancelling it loses no message: a frame it read in part stays for the next
         ``get``/``get_async`` of this process.  The read lock held by another process or
         thread is tried again on a timer (1 to 50 ms): a lock has no fd to wait on."""
-        from . import _aio  # asyncio loads with the first awaitable call
+        import asyncio
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        reader = self._reader
-        frame = await _aio.read_frame(reader, self._rlock, self._turn, block, timeout)
-        if frame is None:
-            raise Empty
-        _count(frame, self._sem)
-        return reader.take(_reductions.loads)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        pause = 0.001
+        while True:
+            try:
+                return self.get(False)
+            except Empty:
+                if not block or (deadline is not None and loop.time() >= deadline):
+                    raise
+            await asyncio.sleep(pause if deadline is None
+                                else min(pause, max(0.0, deadline - loop.time())))
+            pause = min(pause * 2, 0.05)
 
     async def put_async(self, obj: object, block: bool = True,
                         timeout: float | None = None) -> None:
@@ -365,7 +371,8 @@ class _ShmQueue(_QueueBase):
             args=(self._buffer, self._notempty, self._writer, self._wlock,
                   self._reader.close, self._writer.close, self._ignore_epipe,
                   self._on_queue_feeder_error, self._sem, self._unsent,
-                  self._failures if self._raise_later else None, self._sending),
+                  self._failures if self._raise_later else None, self._sending,
+                  self._chan),
             name="QueueFeederThread", daemon=True)
         try:
             self._thread.start()
@@ -385,7 +392,7 @@ class _ShmQueue(_QueueBase):
               writer_close: Callable[[], None], ignore_epipe: bool,
               onerror: Callable[[BaseException, object], None], queue_sem: BoundedSemaphore,
               unsent: list[int], failures: list[BaseException] | None,
-              sending: _Sending) -> None:
+              sending: _Sending, chan: Channel) -> None:
         """The stdlib's ``Queue._feed``, sending the frames ``put`` made.  On an error it
         does what the stdlib's does (EPIPE ignored when asked, nothing reported while the
         process exits, else the semaphore given back and ``onerror(e, obj)`` called), and
@@ -410,7 +417,7 @@ class _ShmQueue(_QueueBase):
                         return
                     done = True
                     try:
-                        done = _send_item(item, writer, writelock, sending)
+                        done = _send_item(item, chan)
                     except Exception as e:
                         if not _feed_failed(e, item, ignore_epipe, onerror, queue_sem,
                                             notempty, failures):
@@ -422,7 +429,7 @@ class _ShmQueue(_QueueBase):
                     if not done:
                         buffer.appendleft(item)
                 if not done:
-                    _wait_for_room(writer)
+                    time.sleep(_ROOM_POLL)
 
 
 def _count(frame: scm_rights.Frame, sem: BoundedSemaphore) -> None:
@@ -523,64 +530,32 @@ class _Sending:
         self.blocking = False
 
 
-def _try_send(item: Frame, writer: Connection, writelock: Lock | None, wait_lock: bool) -> bool:
-    """Send a frame that ``scm_rights.at_once`` admits if the socket takes it now: True
-    (and its buffer let go), or False with nothing sent (the socket full, or the write
-    lock another's and ``wait_lock`` false).  An error leaves the frame whole."""
-    if writelock is not None and not writelock.acquire(wait_lock):
-        return False
+def _try_send(item: Frame, chan: Channel) -> bool:
+    """Send a frame if the channel takes it now: True (and its buffer let go), or False
+    with nothing sent (the channel full).  An error leaves the frame whole."""
     try:
-        sent = scm_rights.try_send_frame(writer._sock, item.data, item.ctx.wire_fds())
-    finally:
-        if writelock is not None:
-            writelock.release()
-    if sent:
-        item.ctx.release()
-        item.data = None  # type: ignore[assignment]  # let go once sent: nothing reads it after
-    return sent
+        chan.send(item.data, item.ctx.wire_fds(), False)
+    except Full:
+        return False
+    item.ctx.release()
+    item.data = None  # type: ignore[assignment]  # let go once sent: nothing reads it after
+    return True
 
 
-def _send_item(item: Frame | _Unpicklable, writer: Connection, writelock: Lock | None,
-               sending: _Sending) -> bool:
-    """The feeder's send of a frame: False if the socket has no room for it now (nothing
+def _send_item(item: Frame | _Unpicklable, chan: Channel) -> bool:
+    """The feeder's send of a frame: False if the channel has no room for it now (nothing
     sent, the frame whole); else sent, or failed (its buffer let go either way: see
-    ``send_error``).  A frame larger than one non-blocking send takes goes out blocking."""
+    ``send_error``)."""
     if type(item) is _Unpicklable:
         raise item.error  # reported as the stdlib's feeder reports its pickling errors
     try:
-        if writer._sock is not None and scm_rights.at_once(len(item.data), len(item.ctx.fds)):
-            return _try_send(item, writer, writelock, True)
-        sending.blocking = True
-        try:
-            if writelock is None:
-                writer.send_frame(item.data, item.ctx.wire_fds())
-            else:
-                with writelock:
-                    writer.send_frame(item.data, item.ctx.wire_fds())
-        finally:
-            sending.blocking = False
+        return _try_send(item, chan)
     except BaseException:
         if item.obj is None:
             item.obj = bytes(item.data)  # what the stdlib's feeder gives its hook
         item.ctx.release()
         item.data = None  # type: ignore[assignment]
         raise
-    item.ctx.release()
-    item.data = None  # type: ignore[assignment]
-    return True
-
-
-def _wait_for_room(writer: Connection) -> None:
-    """Wait (at most 0.1 s, then the feeder looks again) until the writer's socket has
-    room for a frame."""
-    sock = writer._sock
-    if sock is not None:
-        try:
-            poller = select.poll()
-            poller.register(sock, select.POLLOUT)
-            poller.poll(100)
-        except (OSError, ValueError):  # closed meanwhile: the next send says how
-            pass
 
 
 def _feed_failed(e: BaseException, item: Frame | _Unpicklable, ignore_epipe: bool,

@@ -20,7 +20,8 @@ from multiprocessing.context import BaseContext
 from typing import Any
 
 from ._connection import Pipe
-from ._queues import _ShmQueue
+from ._channel import Channel
+from ._queues import _RING_DEPTH, _ShmQueue
 
 __all__ = ["ProcessPoolExecutor", "adopt_call_queue"]
 
@@ -60,6 +61,7 @@ def adopt_call_queue(queue: object) -> bool:
     q._reader.close()
     q._writer.close()
     q._reader, q._writer = Pipe(duplex=False)
+    q._chan = Channel.create(min(q._maxsize, _RING_DEPTH))
     q._reset()
     return True
 
