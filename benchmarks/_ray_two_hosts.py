@@ -6,9 +6,10 @@ An actor on host A holds an array; each round the driver passes the actor's arra
 and gets the result: actor -> task on the other host -> driver.  Plain Ray: the actor's
 return is copied into A's object store, pulled to B, ``a + 1`` makes a new array, which is
 copied into B's store and pulled to A (read-only there).  shmtensor.ray: the actor returns
-a handle; the task gets a copy through A's agent (Ray's store and transfer, then a shared
-segment on B), adds 1 in place, returns a handle; the driver gets a copy through B's
-agent the same way (writable, shared on A).  Prints one JSON line: seconds per round.
+a handle (the driver is on its node); the task gets a copy from A's agent over TCP, into
+a shared segment on B, adds 1 in place and returns the handle with the bytes (a result
+made off the driver's node carries them: a copy into B's object store, Ray's transfer);
+the driver copies them into a shared segment on A (writable, shared).  Prints one JSON line: seconds per round.
 """
 
 from __future__ import annotations

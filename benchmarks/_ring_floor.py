@@ -9,8 +9,13 @@
 * round trip of 1 KiB ``bytes`` between two processes: the stdlib's ``Pipe``
   (``send_bytes``/``recv_bytes``, its fastest path) and ``Queue``, and two rings.
 
+* one call: a ``put`` then a ``get`` of 1 KiB in one process, nobody else on the ring
+  (what a call itself costs).
+
 Rings run with their default spin (``SPIN``) and with none ("no spin": every wait sleeps
-on the futex at once).
+on the futex at once), each on the C extension ("C") and on the pure-Python path
+("Python", ``SHMTENSOR_PURE_PYTHON=1``).  Every session runs in a fresh process (and its
+children), with the environment of its path.
 
 Each line is one session: items/s or microseconds per round trip, with the 1-minute load
 average at its start.
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
 import sys
 import time
 
@@ -175,24 +181,57 @@ def round_trip(kind: str) -> float:
     return elapsed / TRIPS * 1e6
 
 
-FAN_IN = ["stdlib Queue(64)", "ring", "ring, no spin", "floor"]
-ROUND_TRIP = ["Pipe", "Queue", "ring", "ring, no spin"]
+def one_call(kind: str) -> float:
+    """Microseconds per put and get of 1 KiB, one process, nobody else on the ring."""
+    with Ring.create(CAPACITY, 1024 + 16) as ring:
+        put, get, data = ring.put, ring.get, PAYLOAD
+        for _ in range(1000):
+            put(data)
+            get()
+        n = 100_000
+        t0 = time.perf_counter()
+        for _ in range(n):
+            put(data)
+            get()
+        return (time.perf_counter() - t0) / n * 1e6
+
+
+RINGS = ["ring C", "ring Python", "ring C, no spin", "ring Python, no spin"]
+SECTIONS = {  # name: (what it runs, unit, format, its kinds)
+    "one call": (one_call, "us", "9.2f", ["ring C", "ring Python"]),
+    "fan-in": (fan_in, "items/s", "9.0f", ["stdlib Queue(64)", *RINGS, "floor"]),
+    "round trip": (round_trip, "us", "9.1f", ["Pipe", "Queue", *RINGS]),
+}
+
+
+def session(section: str, kind: str) -> float:
+    """One session, in a process of its own whose environment picks the ring's path."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1",  # see the docstring
+               SHMTENSOR_PURE_PYTHON="1" if "Python" in kind else "")
+    r = subprocess.run([sys.executable, "-m", "benchmarks._ring_floor", "--session",
+                        section, kind], env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode:
+        raise RuntimeError(f"{section} / {kind} failed:\n{r.stdout}\n{r.stderr}")
+    return float(r.stdout.split()[-1])
 
 
 def main(rounds: int) -> None:
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"  # for the children (see the docstring)
     print(f"fan-in: {PRODUCERS} producers x {COUNT} items of 1 KiB -> 1 consumer, capacity "
           f"{CAPACITY}; round trip: {TRIPS} x 1 KiB; {os.cpu_count()} CPUs", flush=True)
     for r in range(rounds):
-        for kind in FAN_IN:
-            load = psutil.getloadavg()[0]
-            print(f"round {r + 1}  fan-in     {kind:<18} {fan_in(kind):9.0f} items/s   "
-                  f"(load {load:.2f})", flush=True)
-        for kind in ROUND_TRIP:
-            load = psutil.getloadavg()[0]
-            print(f"round {r + 1}  round trip {kind:<18} {round_trip(kind):9.1f} us        "
-                  f"(load {load:.2f})", flush=True)
+        for section, (_, unit, fmt, kinds) in SECTIONS.items():
+            for kind in kinds:
+                load = psutil.getloadavg()[0]
+                print(f"round {r + 1}  {section:<10} {kind:<20} "
+                      f"{format(session(section, kind), fmt)} {unit:<8} (load {load:.2f})",
+                      flush=True)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)
+    if sys.argv[1:2] == ["--session"]:
+        section, kind = sys.argv[2:4]
+        from shmtensor.ipc import ring as _ring
+        assert (_ring._cput is None) == ("Python" in kind), "the path is not the one asked"
+        print(SECTIONS[section][0](kind))
+    else:
+        main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)

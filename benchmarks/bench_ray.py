@@ -177,9 +177,11 @@ def section(times: dict[str, list[float]], two_hosts: tuple[dict[str, list[float
                   f"-> task on B (+1) -> driver on A, timed in the driver; "
                   f"{len(two_ratios)} interleaved sets, ratios "
                   + ", ".join(f"{r:.2f}x" for r in two_ratios),
-                  "two hosts, shmtensor.ray: each way the other host's agent sends the "
-                  "bytes over TCP straight into a shared segment (plain Ray: a copy into "
-                  "the object store, Ray's chunked transfer into the other store)"]
+                  "two hosts, shmtensor.ray: there, A's agent sends the bytes over TCP "
+                  "straight into a shared segment on B; back, the task's result carries "
+                  "its bytes through Ray's object store (as plain Ray's does, so Ray keeps "
+                  "and re-makes it), copied into a shared segment on A (plain Ray: a copy "
+                  "into the object store and Ray's transfer each way)"]
     else:
         notes.append(f"two hosts: not measured ({two_why})")
     return Section(

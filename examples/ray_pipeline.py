@@ -108,16 +108,17 @@ def why(shared: bool, res: dict) -> str:
         if crossed:
             text += f"; {crossed} of {n} went to another host and back by Ray's transfer"
         return text
-    parts = ["every result is still one small object in Ray's store (Ray tracks it, to "
-             "re-run its task if its node dies)"]
+    parts = []
     if res["views"]:
         parts.append(f"{res['views']} of {n} consumers scaled a view of the producer's "
                      "memory in place and the driver got that memory back: nothing copied")
     if crossed:
-        parts.append(f"{crossed} of {n} crossed hosts each way: the other host's agent sent "
-                     "the bytes over TCP into a shared segment there (one copy each side, "
-                     "none into Ray's object store)")
-    return "; ".join(parts)
+        parts.append(f"{crossed} of {n} crossed hosts: there, the producer's agent sent "
+                     "the bytes over TCP into a shared segment (one copy each side); back, "
+                     "a result made off the driver's node carried its bytes through Ray's "
+                     "object store (Ray's transfer: Ray keeps, moves and re-makes it as a "
+                     "plain array), copied into a shared segment on the driver's host")
+    return "; ".join(parts) or "nothing consumed"
 
 
 PRODUCER: dict = {}

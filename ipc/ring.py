@@ -20,7 +20,9 @@ Facts this module is built on (Linux, x86-64 or aarch64, glibc or musl):
   load of another word may pass it: the mutex's unlock (an atomic exchange, a full
   barrier) closes that on the waker's side, the futex wait on the sleeper's side.  Every
   sleep is also bounded (``SLICE``) and re-checks, so a wake missed in any other way costs
-  a slice, never a hang.  Elsewhere, ``_fence`` orders what x86-64 orders by itself.
+  a slice, never a hang.  Elsewhere, ``_fence`` orders what x86-64 orders by itself.  The
+  C fast path (below) orders its accesses with release stores and acquire loads, and a
+  full fence between publishing and reading the other side's sleeper flag.
 * An OFD lock (``F_OFD_SETLK``) belongs to an open file description, and goes when the last
   fd of it closes: at the latest when its process dies.  A fork shares descriptions.
 
@@ -62,6 +64,24 @@ A record whose sequence number or length is wrong (memory written by something e
 stepped over and reported as an ``OSError``; the ring stays in step (records have a
 fixed size).
 
+Two implementations of one protocol.  Where the C extension ``_cring`` (ipc/_cring.c) was
+built and ``SHMTENSOR_PURE_PYTHON`` is not set (ipc/_native.py), ``put`` and ``get`` first
+try the whole call in C: it goes through when the lock is free and there is room (a
+message); otherwise C changes nothing, holds nothing, and the Python code below does the
+call (waits with deadlines, a lock taken over from a dead owner, a malformed record, the
+errors).  The C call runs no Python code but the caller's hook, so a Python signal
+handler runs before or after it, never inside.  The slow paths call the locks and futexes
+through C too (ctypes without it).  Same layout, same steps, same flags: processes on
+either path share a ring.
+
+Taking a message and handing it to the caller are two steps: an exception (a signal
+handler's) after ``head`` advanced and before the caller holds the message loses it.
+``get(into=list)`` closes that window: the append and the advance are one step (nothing
+runs between them in C; in Python, an exception between them is caught and the advance
+made), so if ``get`` raises, the message is in the list or still in the ring.  A caller
+that must not lose a message takes it with ``into`` (or records it in ``hook``, which runs
+before ``head`` advances and leaves the message in the ring if it raises).
+
 Each process that maps a ring holds a *process index* ``k``: a write lock on byte
 ``LIVE + k`` of the memfd, through a description of its own.  The index is written into
 each record and tells whether other processes still have the ring (:meth:`Ring.alive`,
@@ -84,6 +104,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ._native import native
 from .posix_shm import PREFIX
 
 if TYPE_CHECKING:
@@ -136,51 +157,84 @@ def _timespec(seconds: float) -> _Timespec:
     return _Timespec(whole, int((seconds - whole) * 1e9))
 
 
-# Calls that may block go through CDLL, which lets go of the GIL; calls that never block
-# (try-lock, unlock, wake) go through PyDLL, which keeps it and costs less.
-_libc = ctypes.CDLL(None, use_errno=True)
-_pylibc = ctypes.PyDLL(None, use_errno=True)
-_trylock = _pylibc.pthread_mutex_trylock
-_unlock = _pylibc.pthread_mutex_unlock
-_consistent = _pylibc.pthread_mutex_consistent
-for _f in (_trylock, _unlock, _consistent):
-    _f.argtypes, _f.restype = [ctypes.c_void_p], ctypes.c_int
-_clocklock: Any = getattr(_libc, "pthread_mutex_clocklock", None)  # glibc >= 2.30
-if _clocklock is not None:
-    _clocklock.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Timespec)]
-    _clocklock.restype = ctypes.c_int
-_timedlock = _libc.pthread_mutex_timedlock
-_timedlock.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
-_timedlock.restype = ctypes.c_int
-_futex_wait = _libc.syscall
-_futex_wait.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint,
-                        ctypes.POINTER(_Timespec), ctypes.c_void_p, ctypes.c_uint]
-_futex_wait.restype = ctypes.c_long
-_futex_wake = _pylibc.syscall
-_futex_wake.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-_futex_wake.restype = ctypes.c_long
+# The calls on the mapping's locks and futex words, from ``_cring`` (C, ipc/_cring.c) where
+# it was built, else through ctypes.  Addresses are ints; results are error numbers.
+_trylock: Callable[[int], int]  # pthread_mutex_trylock: never blocks
+_unlock: Callable[[int], int]
+_consistent: Callable[[int], int]  # pthread_mutex_consistent
+_lock_for: Callable[[int, float], int]  # pthread_mutex_*lock with a deadline seconds away
+_wait: Callable[[int, int, float], object]  # FUTEX_WAIT on a word holding expected
+_wake: Callable[[int], object]  # FUTEX_WAKE one sleeper
+_fence: Callable[[], object]  # a full barrier (where the hardware does not keep order)
+# Ring.put's and Ring.get's whole call when it needs no wait and no repair (ipc/_cring.c
+# says what they answer); None: the Python code below does every call.
+_cput: Callable[[int, int, int, int, ReadableBuffer, Callable[[int], object] | None],
+                int] | None
+_cget: Callable[[int, int, int, Callable[[int, int, bytes], object] | None,
+                 list[bytes] | None], bytes | int] | None
 
-# A barrier where the hardware does not keep stores (loads) in order by themselves: a store
-# with release semantics (letting go of a private spinlock) then an atomic exchange with
-# acquire semantics (trying to take it) keeps every access before the pair before every
-# access after it.  A try-lock never waits: threads may fence at the same time.
-_fence_lock = ctypes.c_int(0)
-_fence_addr = ctypes.addressof(_fence_lock)
-_spin_trylock, _spin_unlock = _pylibc.pthread_spin_trylock, _pylibc.pthread_spin_unlock
-_spin_trylock.argtypes = _spin_unlock.argtypes = [ctypes.c_void_p]
-
-
-def _fence() -> None:
-    _spin_unlock(_fence_addr)
-    _spin_trylock(_fence_addr)
-
-
-def _lock_for(lock: int, seconds: float) -> int:
-    """``pthread_mutex_*lock`` with a deadline ``seconds`` from now: 0, ETIMEDOUT,
-    EOWNERDEAD or another error number."""
+_libc = ctypes.CDLL(None, use_errno=True)  # lets go of the GIL in a call
+_c = native("_cring")
+if _c is not None:
+    if _c.LAYOUT != (_W_LOCK, _R_LOCK, _TAIL, _HEAD, _R_SLEEPS, _W_SLEEPS, _RECORDS, _REC_SIZE,
+                     MAX_PROCS, _VERSION):
+        raise ImportError(f"shmtensor.ipc._cring was built for another ring layout "
+                          f"({_c.LAYOUT}) than ring.py's: rebuild it (`pip install .`, or "
+                          "`pip install -e .` in a checkout), or set SHMTENSOR_PURE_PYTHON=1")
+    _trylock, _unlock, _consistent = _c.trylock, _c.unlock, _c.consistent
+    _lock_for, _wait, _wake, _fence = _c.lock_for, _c.futex_wait, _c.futex_wake, _c.fence
+    _cput, _cget = _c.put, _c.get
+else:
+    _cput = _cget = None
+    # Calls that may block go through CDLL, which lets go of the GIL; calls that never
+    # block (try-lock, unlock, wake) go through PyDLL, which keeps it and costs less.
+    _pylibc = ctypes.PyDLL(None, use_errno=True)
+    _trylock = _pylibc.pthread_mutex_trylock
+    _unlock = _pylibc.pthread_mutex_unlock
+    _consistent = _pylibc.pthread_mutex_consistent
+    for _f in (_pylibc.pthread_mutex_trylock, _pylibc.pthread_mutex_unlock,
+               _pylibc.pthread_mutex_consistent):
+        _f.argtypes, _f.restype = [ctypes.c_void_p], ctypes.c_int
+    _clocklock: Any = getattr(_libc, "pthread_mutex_clocklock", None)  # glibc >= 2.30
     if _clocklock is not None:
-        return int(_clocklock(lock, _CLOCK_MONOTONIC, _timespec(time.monotonic() + seconds)))
-    return int(_timedlock(lock, _timespec(time.time() + seconds)))
+        _clocklock.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Timespec)]
+        _clocklock.restype = ctypes.c_int
+    _timedlock = _libc.pthread_mutex_timedlock
+    _timedlock.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
+    _timedlock.restype = ctypes.c_int
+    _futex_wait = _libc.syscall
+    _futex_wait.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint,
+                            ctypes.POINTER(_Timespec), ctypes.c_void_p, ctypes.c_uint]
+    _futex_wait.restype = ctypes.c_long
+    _futex_wake = _pylibc.syscall
+    _futex_wake.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    _futex_wake.restype = ctypes.c_long
+
+    def _lock_for(lock: int, seconds: float) -> int:
+        if _clocklock is not None:
+            return int(_clocklock(lock, _CLOCK_MONOTONIC,
+                                  _timespec(time.monotonic() + seconds)))
+        return int(_timedlock(lock, _timespec(time.time() + seconds)))
+
+    def _wait(addr: int, expected: int, seconds: float) -> object:
+        return _futex_wait(_SYS_FUTEX, addr, _FUTEX_WAIT, expected, _timespec(seconds),
+                           None, 0)
+
+    def _wake(addr: int) -> object:
+        return _futex_wake(_SYS_FUTEX, addr, _FUTEX_WAKE, 1)
+
+    # A barrier: a store with release semantics (letting go of a private spinlock) then an
+    # atomic exchange with acquire semantics (trying to take it) keeps every access before
+    # the pair before every access after it.  A try-lock never waits: threads may fence at
+    # the same time.
+    _fence_lock = ctypes.c_int(0)
+    _fence_addr = ctypes.addressof(_fence_lock)
+    _spin_trylock, _spin_unlock = _pylibc.pthread_spin_trylock, _pylibc.pthread_spin_unlock
+    _spin_trylock.argtypes = _spin_unlock.argtypes = [ctypes.c_void_p]
+
+    def _fence() -> object:
+        _spin_unlock(_fence_addr)
+        return _spin_trylock(_fence_addr)
 
 
 def _settle(lock: int) -> None:
@@ -240,6 +294,7 @@ class Ring:
         self._i: memoryview | None = None
         self._anchor: ctypes.c_char | None = None
         self._live = -1
+        self._base = 0
         self.index = -1
         _, _, self.capacity, self.record_size = _HEADER.unpack_from(mem, 0)
         self.payload_max = self.record_size - _REC_SIZE
@@ -326,6 +381,13 @@ class Ring:
         ``hook(number)``: called under the writers' lock once there is room, before the
         record is written; ``number`` is the record's place in the stream (0, 1, ...:
         the tail).  If it raises, nothing is written."""
+        if _cput is not None:  # the whole call in C, unless it must wait or repair
+            done = _cput(self._base, self.capacity, self.record_size, self.index, data,
+                         hook)
+            if done == 1:
+                return
+            if done:
+                self.recovered += 1  # C took a lock over from a dead owner
         if type(data) is not bytes:
             data = memoryview(data).cast("B")
         n = len(data)
@@ -363,22 +425,39 @@ class Ring:
             if not nested:
                 _unlock(lock)  # EPERM, and nothing done, where this thread does not hold it
         if words[_R_SLEEPS_I]:
-            _futex_wake(_SYS_FUTEX, self._base + _TAIL, _FUTEX_WAKE, 1)
+            _wake(self._base + _TAIL)
 
     def get(self, block: bool = True, timeout: float | None = None,
-            *, hook: Callable[[int, int, bytes], object] | None = None) -> bytes:
+            *, hook: Callable[[int, int, bytes], object] | None = None,
+            into: list[bytes] | None = None) -> bytes:
         """Take the oldest message; with an empty ring, wait for one (``block``, up to
         ``timeout`` seconds) or raise ``queue.Empty``.
 
         ``hook(number, writer_index, data)``: called under the readers' lock with the
         message before it is taken (``number`` as in :meth:`put`; ``writer_index`` the
-        writer's process index).  If it raises, the message stays for the next ``get``."""
+        writer's process index).  If it raises, the message stays for the next ``get``.
+
+        ``into``: a list the message is appended to as it is taken.  A message is taken
+        when ``head`` advances past it; an exception from a signal handler can come after
+        that and before the caller has the returned message, which is then lost (as with
+        the stdlib's Queue).  With ``into``, the append and the advance are one step: if
+        ``get`` raises, the message is in ``into`` or still in the ring, never lost and
+        never both.  (With the C extension nothing runs between the two; in pure Python,
+        an exception between them is caught and the advance made, and only a second
+        exception inside that repair could leave the message in both.)"""
+        if _cget is not None:  # the whole call in C, unless it must wait or repair
+            got = _cget(self._base, self.capacity, self.record_size, hook, into)
+            if type(got) is bytes:
+                return got
+            if got:
+                self.recovered += 1  # C took a lock over from a dead owner
         mem, q, words = self._mem, self._q, self._i
         if mem is None or q is None or words is None:
             raise self._refusal(0)
         lock = self._base + _R_LOCK
         deadline: float | None = _LATER
         nested = False  # as in put
+        had = -1 if into is None else len(into)  # to tell whether into got the message
         try:
             rc = _trylock(lock)
             if rc:
@@ -398,11 +477,15 @@ class Ring:
                 data = mem[off + _REC_SIZE:off + _REC_SIZE + n]
                 if hook is not None:
                     hook(h, k, data)
+                if into is not None:
+                    into.append(data)
                 q[_HEAD_Q] = h + 1
             else:
                 data = None
                 q[_HEAD_Q] = h + 1  # stepped over: the ring stays in step
         except BaseException:
+            if into is not None and len(into) > had and q[_HEAD_Q] == h:
+                q[_HEAD_Q] = h + 1  # into has it (an exception came right after): taken
             if not nested:
                 _settle(lock)
             raise
@@ -410,7 +493,7 @@ class Ring:
             if not nested:
                 _unlock(lock)
         if words[_W_SLEEPS_I]:
-            _futex_wake(_SYS_FUTEX, self._base + _HEAD, _FUTEX_WAKE, 1)
+            _wake(self._base + _HEAD)
         if data is None:
             raise OSError(errno.EBADMSG, f"ring record {h} (place {h % self.capacity}) is "
                           f"malformed: sequence number {seq} (expected {h + 1}), writer "
@@ -554,8 +637,7 @@ class Ring:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise exc()
-                _futex_wait(_SYS_FUTEX, addr, _FUTEX_WAIT, expected,
-                            _timespec(min(left, SLICE)), None, 0)
+                _wait(addr, expected, min(left, SLICE))
         finally:
             words[flag] = 0
         self._hot = time.monotonic() - began <= spin  # a short sleep: spin next time
@@ -627,6 +709,7 @@ class Ring:
             if view is not None:
                 view.release()
         self._q = self._i = None
+        self._base = 0  # the C fast paths refuse a closed ring by it
         if mem is not None:
             mem.close()
         for fd in (self._live, self.fd):

@@ -60,6 +60,10 @@ class Producer:
     def first(self):
         return [float(a[0]) for a in self.kept]
 
+    def put(self, n, value, shared=True):
+        """An object this actor owns (it dies with it): an ObjectRef in a list."""
+        return [ray.put(self.fill(n, value, shared))]
+
 
 def _double(a):
     a *= 2
@@ -105,26 +109,41 @@ def case_other() -> dict:
     big = ray.get(make.options(**B).remote(8 << 20, 7.0))  # 64 MiB made on host B
     p = Producer.options(**B).remote()
     c = ray.get(p.fill.remote(300_000, 3.0))
-    # the agent of host B killed: the next fetch from there starts another
-    from shmtensor.ray import _agent
-    ray.kill(ray.get_actor(_agent._name(ray.get_runtime_context().get_job_id(), b_node()),
-                           _agent.NAMESPACE))
-    again = ray.get(p.fill.remote(300_000, 5.0))
-    # the agent's port not reachable from here: the data comes through Ray's object store
-    from shmtensor.ray import _direct
-    key = (ray.get_runtime_context().get_job_id(), b_node())
-    closed = _direct.Endpoint("10.200.0.2", 1, b"x" * _direct.TOKEN_BYTES)
-    _agent._endpoints[key] = closed
-    through_store = ray.get(p.fill.remote(300_000, 6.0))
-    return {"agent_replaced": bool((again == 5.0).all()),
-            "through_store": bool((through_store == 6.0).all())
-            and shmtensor.is_shared(through_store) and _agent._endpoints.get(key) is None, "other_host": host != sr.host_id(), "node_is_b": nodes().get(node) == "10.200.0.2",
+    # what a handle brings to B comes from A's agent: killed, then not reachable
+    x = shmtensor.full(300_000, 5.0)
+    refs = [ray.put(x)]
+    replaced = ray.get(fetch_after.options(**B).remote(refs, "kill"))
+    x[:] = 6.0
+    refs = [ray.put(x)]
+    through_store = ray.get(fetch_after.options(**B).remote(refs, "closed"))
+    return {"agent_replaced": replaced == [True, True, True],
+            "through_store": through_store == [True, True, True],
+            "other_host": host != sr.host_id(), "node_is_b": nodes().get(node) == "10.200.0.2",
             "landed_shared": bool(shared and writeable), "sum": total == float(view.sum()),
             "ours_untouched": bool((a == np.arange(1000).reshape(100, 10)).all()),
             "copy_right": bool((b == view + 1).all()) and not np.shares_memory(a, b),
             "copy_shared": shmtensor.is_shared(b) and bool(b.flags.writeable),
             "big": bool(big.shape == (8 << 20,) and (big == 7.0).all()),
             "actor": bool((c == 3.0).all()) and shmtensor.is_shared(c)}
+
+
+@ray.remote
+def fetch_after(refs, sabotage):
+    """In a task on B: read ``refs[0]`` (an array put on A: from A's agent), break the way
+    to that agent (``kill`` it, or make its port ``closed`` to this process), read again."""
+    from shmtensor.ray import _agent, _direct
+    job = ray.get_runtime_context().get_job_id()
+    a_node = next(nid for nid, ip in nodes().items() if ip == "10.200.0.1")
+    key = (job, a_node)
+    ray.get(refs[0])  # the endpoint of A's agent now known here
+    if sabotage == "kill":
+        ray.kill(ray.get_actor(_agent._name(job, a_node), _agent.NAMESPACE))
+    else:
+        _agent._endpoints[key] = _direct.Endpoint("10.200.0.1", 1, b"x" * _direct.TOKEN_BYTES)
+    a = ray.get(refs[0])
+    expect = 5.0 if sabotage == "kill" else 6.0
+    return [bool((a == expect).all()), shmtensor.is_shared(a),
+            sabotage == "kill" or key not in _agent._endpoints]
 
 
 def case_pool() -> dict:
@@ -151,6 +170,14 @@ def _outcome(ref, expect: float, n: int) -> dict:
                 "message": str(e)[:2000], "traceback": traceback.format_exc()[-3000:]}
 
 
+def _shared_writable(ref) -> bool | None:
+    try:
+        a = ray.get(ref, timeout=60)
+    except Exception:
+        return None
+    return shmtensor.is_shared(a) and bool(a.flags.writeable)
+
+
 def case_death() -> dict:
     """Arrays made on host B (plain numpy and shared) by a task with retries, a task without,
     an actor, and a task whose result the driver prefetched; then B dies."""
@@ -166,7 +193,10 @@ def case_death() -> dict:
         refs[f"{kind}/task no retry"] = make.options(max_retries=0, **soft).remote(n, 2.0, shared)
         refs[f"{kind}/actor"] = p.fill.remote(n, 3.0, shared)
         refs[f"{kind}/prefetched"] = make.options(max_retries=0, **soft).remote(n, 4.0, shared)
-    expect = {"task retried": 1.0, "task no retry": 2.0, "actor": 3.0, "prefetched": 4.0}
+        refs[f"{kind}/actor prefetched"] = p.fill.remote(n, 5.0, shared)
+        refs[f"{kind}/owner died"] = ray.get(p.put.remote(n, 6.0, shared))[0]
+    expect = {"task retried": 1.0, "task no retry": 2.0, "actor": 3.0, "prefetched": 4.0,
+              "actor prefetched": 5.0, "owner died": 6.0}
     ray.wait(list(refs.values()), num_returns=len(refs), timeout=60, fetch_local=False)
     pre = [r for k, r in refs.items() if k.endswith("prefetched")]
     ray.wait(pre, num_returns=len(pre), timeout=60, fetch_local=True)
@@ -183,6 +213,7 @@ def case_death() -> dict:
         time.sleep(0.1)
     detected = time.monotonic() - t0
     out = {k: _outcome(r, expect[k.split("/")[1]], n) for k, r in refs.items()}
+    out["shm/prefetched"]["is_shared"] = _shared_writable(refs["shm/prefetched"])
     del held
     deadline = time.monotonic() + 30
     while sr.exports_held() and time.monotonic() < deadline:
@@ -206,6 +237,43 @@ def case_agents() -> dict:
             break
         time.sleep(0.2)
     return {"agents": agents, "job": job}
+
+
+@ray.remote
+def keep_fetching(refs, started):
+    """On B: read the array put on A (64 MiB from A's agent) again and again."""
+    ray.get(started.signal.remote())
+    while True:
+        ray.get(refs[0])
+
+
+@ray.remote(num_cpus=0)
+class Signal:
+    def __init__(self):
+        self.count = 0
+
+    def signal(self):
+        self.count += 1
+
+    def seen(self):
+        return self.count
+
+
+def case_abandon() -> dict:
+    """The driver exits at once (no shutdown) while tasks on B fetch its array: what of
+    the job is left is for the test to find (nothing)."""
+    x = shmtensor.full(8 << 20, 1.0)
+    refs = [ray.put(x)]
+    started = Signal.options(**A).remote()
+    tasks = [keep_fetching.options(**B).remote(refs, started) for _ in range(2)]
+    deadline = time.monotonic() + 60
+    while ray.get(started.seen.remote()) < len(tasks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # a fetch under way
+    print(json.dumps({"job": ray.get_runtime_context().get_job_id(),
+                      "started": ray.get(started.seen.remote()), "tasks": len(tasks)}),
+          flush=True)
+    os._exit(0)
 
 
 def case_listed() -> dict:

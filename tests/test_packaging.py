@@ -55,7 +55,7 @@ def built(tmp_path_factory):
     src = tmp / "src"  # a copy: building writes egg-info and build/ into the tree it builds
     shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(
         ".venv*", ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
-        "bench-results"))
+        "bench-results", "*.so"))  # built here: the builds below compile their own
     venv = tmp / "venv"
     sh(sys.executable, "-m", "venv", venv)
     py = venv / "bin" / "python"
@@ -85,14 +85,20 @@ def test_wheels_carry_every_module_and_nothing_outside_shmtensor(built):
         assert all(f.startswith("shmtensor/") for f in files), sorted(files)
         assert "shmtensor/ipc/posix_shm.py" in files  # the ipc link, followed
         assert "shmtensor/py.typed" in files  # PEP 561 marker: mypy reads our annotations
+        # the C extension, compiled (this machine has a compiler); its source stays out
+        assert [f for f in files if f.startswith("shmtensor/ipc/_cring.")
+                and f.endswith(".so")], f"{w.name} lacks the compiled shmtensor.ipc._cring"
+        assert not [f for f in files if f.endswith(".c")], sorted(files)
     with tarfile.open(sdist) as t:
         members = {m.name.split("/", 1)[1]: m for m in t.getmembers() if "/" in m.name}
     link = members.get("shmtensor/ipc")
     # the sdist may keep shmtensor/ipc as the link (with ipc/ beside it) or as files
     if link is not None and link.issym():
-        assert "ipc/posix_shm.py" in members
+        assert {"ipc/posix_shm.py", "ipc/_cring.c"} <= set(members)
     else:
-        assert "shmtensor/ipc/posix_shm.py" in members
+        assert {"shmtensor/ipc/posix_shm.py", "shmtensor/ipc/_cring.c"} <= set(members)
+    assert "setup.py" in members  # declares the extension
+    assert not [n for n in members if n.endswith(".so")]
     # the whole suite, helpers included, the README's examples and the license
     tracked = {str(p.relative_to(ROOT)) for d in ("tests", "examples")
                for p in (ROOT / d).rglob("*.py") if "__pycache__" not in p.parts}
@@ -121,6 +127,49 @@ def test_installed_wheel_imports_every_public_module(built, tmp_path):
     """)
     r = sh(py, "-I", "-c", script, cwd=tmp_path)
     assert r.stdout.strip() == f"ok {len(modules)}"
+
+
+RING_CHECK = """
+from shmtensor.ipc import ring
+r = ring.Ring.create(4)
+r.put(b"through")
+assert r.get() == b"through"
+r.close()
+print("c" if ring._cput is not None else "python", ring.__file__)
+"""
+
+
+def test_installed_wheel_uses_the_c_extension_unless_told_not_to(built, tmp_path):
+    """The installed ring runs on the compiled extension; SHMTENSOR_PURE_PYTHON=1 makes it
+    ignore it and run on the Python path."""
+    *_, py = built
+    env = {k: v for k, v in os.environ.items()
+           if k != "PYTHONPATH" and not k.startswith("SHMTENSOR_")}
+    for pure, kind in (("", "c"), ("1", "python")):
+        r = sh(py, "-I", "-c", RING_CHECK, cwd=tmp_path,
+               env={**env, "SHMTENSOR_PURE_PYTHON": pure})
+        assert r.stdout.split()[0] == kind and "site-packages" in r.stdout, (pure, r.stdout)
+
+
+def test_sdist_without_a_compiler_installs_the_pure_python_package(built, tmp_path):
+    """A build from the sdist where the C compiler fails (CC=false) still makes a wheel:
+    the package without the extension, whose ring runs on the Python path."""
+    sdist, *_, py = built
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHMTENSOR_")}
+    env["CC"] = "false"
+    sh(py, "-m", "pip", "wheel", "-q", "--disable-pip-version-check", "--no-deps", "-w",
+       tmp_path / "wheel", sdist, env=env)
+    wheel, = (tmp_path / "wheel").glob("*.whl")
+    files = wheel_files(wheel)
+    assert "shmtensor/ipc/ring.py" in files
+    assert not [f for f in files if "_cring" in f], sorted(files)
+    target = tmp_path / "target"  # the wheel's files, ahead of the venv's installed copy
+    sh(py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+       "--target", target, wheel)
+    env.pop("CC")
+    r = sh(py, "-I", "-c", f"import sys; sys.path.insert(0, {str(target)!r}); "
+           + RING_CHECK, cwd=tmp_path, env=env)
+    assert r.stdout.split() == ["python", str(target / "shmtensor/ipc/ring.py")], r.stdout
 
 
 def test_installed_console_script_and_pytest_plugin(built, tmp_path):
@@ -196,7 +245,8 @@ def test_readme_install_commands_work(built, tmp_path):
     *_, py = built
     src = tmp_path / "src"
     shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(
-        ".venv*", ".git", "build", "dist", "*.egg-info", "__pycache__", "bench-results"))
+        ".venv*", ".git", "build", "dist", "*.egg-info", "__pycache__", "bench-results",
+        "*.so"))
     venv = tmp_path / "venv"
     sh(py, "-m", "venv", venv)
     pip = [venv / "bin" / "python", "-m", "pip", "--disable-pip-version-check"]

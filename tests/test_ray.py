@@ -152,6 +152,27 @@ def test_other_host_gets_a_correct_copy(cluster, strategy):
     assert shmtensor.is_shared(b)
 
 
+@ray.remote
+def echo_plus(a, k):
+    """``a`` and a new array made from it here (for a task on another host: by value both
+    ways, the second as a result carrying its bytes)."""
+    import shmtensor
+    b = shmtensor.empty(a.shape, a.dtype)
+    b[...] = a + k
+    return [shmtensor.is_shared(a), a.shape, float(a.sum()), b, b.T]
+
+
+def test_empty_and_strided_arrays_cross_hosts(cluster):
+    for a in (shmtensor.zeros(0), shmtensor.zeros((0, 3)),
+              shmtensor.full((20, 30), 2.0)[::3, ::-2],  # strided, negative
+              shmtensor.full((6, 4), 1.0, dtype=np.float32).T):  # Fortran order
+        shared, shape, total, b, bt = ray.get(echo_plus.options(**THERE).remote(a, 1))
+        assert tuple(shape) == a.shape and total == float(a.sum())
+        assert shared is True or a.size == 0
+        assert (b == a + 1).all() and (bt == (a + 1).T).all() and b.dtype == a.dtype
+        assert b.flags.writeable and bt.flags.writeable
+
+
 def test_made_on_another_host_arrives_by_value(cluster, strategy):
     b = ray.get(make.options(**THERE).remote(5000, 7.0, strategy))
     assert b.shape == (5000,) and (b == 7.0).all() and shmtensor.is_shared(b)
@@ -254,24 +275,150 @@ def test_killed_actors_arrays_are_reclaimed(cluster):
 
 
 @ray.remote
-def put_shared():
+def put_shared(n):
     import shmtensor
-    return [ray.put(shmtensor.full(10, 1.0))]  # an ObjectRef in a list: handed back as is
+    return [ray.put(shmtensor.full(n, 1.0))]  # an ObjectRef in a list: handed back as is
 
 
-def test_a_tasks_shared_result_lives_in_its_nodes_store(cluster):
-    """A task's result holding a shared array is stored on the task's node, as a plain
-    array's would be (so Ray sees it lost with the node, and re-runs the task); what a
-    worker puts is not padded (Ray stores every put there anyway)."""
+def test_a_result_off_the_drivers_node_carries_its_bytes(cluster):
+    """A task's shared result made on a node other than the driver's carries its bytes
+    into that node's object store, as a plain array's would be (Ray keeps, moves, spills
+    and reconstructs them); on the driver's node, and in a worker's put, only the handle."""
     from ray.experimental import get_object_locations
-    ref = make.options(**THERE).remote(10, 2.0, "file_system")
-    ray.wait([ref], timeout=DEADLINE, fetch_local=False)
+    n = 1 << 17  # 1 MiB
     there = [n["NodeID"] for n in ray.nodes() if n["Resources"].get("there")]
-    loc = get_object_locations([ref])[ref]
-    assert loc["object_size"] > 100 << 10 and loc["node_ids"] == there
-    put = ray.get(put_shared.options(**THERE).remote())[0]
-    assert get_object_locations([put])[put]["object_size"] < 100 << 10
-    assert (ray.get(ref) == 2.0).all() and (ray.get(put) == 1.0).all()
+    ref = make.options(**THERE).remote(n, 2.0, "file_system")
+    here = make.options(**HERE).remote(n, 3.0, "file_system")
+    put = ray.get(put_shared.options(**THERE).remote(n))[0]
+    ray.wait([ref, here, put], num_returns=3, timeout=DEADLINE, fetch_local=False)
+    locs = get_object_locations([ref, here, put])
+    assert locs[ref]["object_size"] > n * 8 and locs[ref]["node_ids"] == there
+    assert locs[here]["object_size"] < 64 << 10
+    assert locs[put]["object_size"] < 64 << 10
+    b = ray.get(ref)
+    assert (b == 2.0).all() and shmtensor.is_shared(b) and b.flags.writeable
+    assert (ray.get(here) == 3.0).all() and (ray.get(put) == 1.0).all()
+
+
+def test_carried_results_are_spilled_and_restored(cluster):
+    """More results carried on the other node than its object store holds: Ray spills
+    some to disk and restores them when read, as it does plain arrays."""
+    from ray.experimental import get_object_locations
+    n = 3 << 20  # 24 MiB each, 5 of them: the node's store holds 80 MiB
+    refs = [make.options(**THERE).remote(n, float(i), "file_system") for i in range(5)]
+    ray.wait(refs, num_returns=len(refs), timeout=60, fetch_local=False)
+    spilled = poll(lambda: [i for i, loc in enumerate(get_object_locations(refs).values())
+                            if loc.get("did_spill")], "nothing spilled", timeout=60)
+    for i, ref in enumerate(refs):
+        a = ray.get(ref, timeout=60)
+        assert a.shape == (n,) and a[0] == i and a[-1] == i and shmtensor.is_shared(a)
+        del a
+    assert spilled  # and those came back from disk
+
+
+class Probe:
+    """Says, once rebuilt, whether shmtensor.ray judged its serialization a task's result."""
+
+    def __init__(self, result=None):
+        self.result = result
+
+    def __reduce__(self):
+        from shmtensor.ray import _exports
+        return Probe, (_exports.is_result(),)
+
+
+@ray.remote
+def probe_result():
+    return Probe()
+
+
+@ray.remote
+def probe_put():
+    return [ray.put(Probe())]
+
+
+@ray.remote
+def probe_arg(p):
+    return p.result
+
+
+@ray.remote
+def probe_nested():
+    return ray.get(probe_arg.options(**HERE).remote(Probe()))
+
+
+@ray.remote
+def probe_generator():
+    yield Probe()
+    yield Probe()
+
+
+@ray.remote
+class Prober:
+    def __init__(self, p=None):
+        self.created_with = None if p is None else p.result
+
+    def created(self):
+        return self.created_with
+
+    def result(self):
+        return Probe()
+
+    def arg(self, p):
+        return p.result
+
+    def put(self):
+        return [ray.put(Probe())]
+
+    def call(self, other):
+        return ray.get(other.arg.remote(Probe()))
+
+    def generator(self):
+        yield Probe()
+
+    def create(self):
+        other = Prober.options(**THERE).remote(Probe())
+        try:
+            return ray.get(other.created.remote())
+        finally:
+            ray.kill(other)
+
+
+@ray.remote
+class AsyncProber:
+    async def result(self):
+        import asyncio
+        await asyncio.sleep(0)
+        return Probe()
+
+    async def put(self):
+        return [ray.put(Probe())]
+
+
+def test_results_told_from_arguments_and_puts(cluster):
+    """Only a task's result carries its bytes: each way Ray serializes something in a
+    worker, as shmtensor.ray judges it."""
+    g = ray.get
+    assert g(probe_result.options(**THERE).remote()).result is True
+    assert g(g(probe_put.options(**THERE).remote())[0]).result is False
+    assert g(probe_nested.options(**THERE).remote()) is False  # a nested task's argument
+    assert [g(r).result for r in probe_generator.options(**THERE).remote()] == [True, True]
+    actors = [Prober.options(**THERE).remote(),
+              Prober.options(**THERE, max_concurrency=2).remote()]  # threaded
+    try:
+        for a in actors:
+            assert g(a.result.remote()).result is True
+            assert g(g(a.put.remote())[0]).result is False
+            assert [g(r).result for r in a.generator.remote()] == [True]
+        assert g(actors[0].call.remote(actors[1])) is False  # an actor method's argument
+        assert g(actors[0].create.remote()) is False  # an actor's creation argument
+        aio = AsyncProber.options(**THERE).remote()
+        actors.append(aio)
+        assert g(aio.result.remote()).result is True
+        assert g(g(aio.put.remote())[0]).result is False
+    finally:
+        for a in actors:
+            ray.kill(a)
 
 
 def test_sender_gone_is_a_clear_error():

@@ -8,7 +8,10 @@ code checked; ``no_leaks`` checks this process's fds."""
 
 from __future__ import annotations
 
+import array
 import errno
+import importlib.util
+import json
 import mmap
 import multiprocessing
 import os
@@ -17,6 +20,8 @@ import random
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -82,6 +87,14 @@ def wait_for(cond, what, timeout=JOIN):
 
 def flag(ring: Ring, off: int) -> int:
     return ring._i[off // 4]
+
+
+@pytest.fixture
+def python_path(monkeypatch):
+    """Every call through ring.py's Python code, with the C extension built or not: for
+    tests that put exceptions into its steps (the C fast path has no steps to patch)."""
+    monkeypatch.setattr(ringmod, "_cput", None)
+    monkeypatch.setattr(ringmod, "_cget", None)
 
 
 # -- order and integrity ----------------------------------------------------------------
@@ -169,7 +182,7 @@ def test_processes_on_both_ends(no_leaks):
             [(w, s) for w in range(writers) for s in range(each)]
 
 
-def test_fenced_path(no_leaks, monkeypatch):
+def test_fenced_path(no_leaks, python_path, monkeypatch):
     """The path for hardware that does not keep stores (loads) in order runs (here it
     orders nothing the hardware does not)."""
     monkeypatch.setattr(ringmod, "_TSO", False)
@@ -574,7 +587,8 @@ def _raise_after(real, times: list[int]):
 
 
 @pytest.mark.parametrize("method", ["put", "get", "poll"])
-def test_exception_right_after_the_lock_is_taken(no_leaks, monkeypatch, method):
+def test_exception_right_after_the_lock_is_taken(no_leaks, python_path, monkeypatch,
+                                                 method):
     """An exception between taking a lock and the call's own bookkeeping lets go of it."""
     with Ring.create(2) as ring:
         if method != "poll":  # poll takes no lock while a message waits
@@ -593,7 +607,7 @@ def test_exception_right_after_the_lock_is_taken(no_leaks, monkeypatch, method):
         assert ring.get(timeout=JOIN) == (b"z" if method == "poll" else b"x")
 
 
-def test_exception_in_a_takeover(no_leaks, monkeypatch):
+def test_exception_in_a_takeover(no_leaks, python_path, monkeypatch):
     """An exception after a lock was taken over from a dead owner and before it was made
     consistent: the lock stays usable (an unlock of an inconsistent robust mutex would
     have made it unrecoverable)."""
@@ -619,7 +633,7 @@ def _raise_before(real, times: list[int]):
     return call
 
 
-def test_a_call_inside_a_call_is_refused(no_leaks, monkeypatch):
+def test_a_call_inside_a_call_is_refused(no_leaks, python_path, monkeypatch):
     """A put inside a put of the same thread (a signal handler's) gets an error that says
     so instead of waiting for itself."""
     with Ring.create(2) as ring:
@@ -811,3 +825,145 @@ def test_random_sigkills(no_leaks, victims):
     assert len(missing) <= killed["r"], missing[:10]
     assert sum(acks) > KILLS  # the survivors kept working
     assert takeovers > 0
+
+
+# -- the C extension and the Python path ------------------------------------------------
+
+BUILT = importlib.util.find_spec("shmtensor.ipc._cring") is not None
+needs_c = pytest.mark.skipif(not BUILT, reason="the C extension is not built here")
+
+
+def test_the_pure_python_switch():
+    """SHMTENSOR_PURE_PYTHON=1 makes ring.py ignore the extension; without it, ring.py
+    uses the extension wherever it was built."""
+    code = "from shmtensor.ipc import ring; print(ring._c is None, ring._cput is None)"
+    for value, pure in (("1", True), ("", not BUILT), ("0", not BUILT)):
+        env = dict(os.environ, SHMTENSOR_PURE_PYTHON=value)
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=JOIN)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == [str(pure)] * 2, (value, r.stdout)
+
+
+def _kind_child(role: str, fd: int, wid: int, count: int) -> None:
+    """A writer or reader of test_c_and_python_processes_share_a_ring, in a process of its
+    own: prints its path ("python" or "c") and, for a reader, what it got."""
+    ring = Ring.attach(fd)
+    kind = "python" if ringmod._cput is None else "c"
+    got = []
+    if role == "writer":
+        for seq in range(count):
+            ring.put(message(wid, seq, ring.payload_max), timeout=JOIN)
+    else:
+        while data := ring.get(timeout=JOIN):
+            got.append(check(data))
+    ring.close()
+    print(json.dumps([role, kind, got]))
+
+
+@needs_c
+@pytest.mark.parametrize("writers, readers", [
+    (["python"], ["c"]), (["c"], ["python"]), (["python", "c"], ["python", "c"])])
+def test_c_and_python_processes_share_a_ring(no_leaks, writers, readers):
+    """Processes on the C path and on the Python path write and read one ring: one
+    protocol, one layout (a small ring, so that both wait, wrap and wake each other)."""
+    each = 1500
+    here = os.path.dirname(os.path.abspath(__file__))
+    with Ring.create(4) as ring:
+        procs = []
+        try:
+            for role, kinds in (("writer", writers), ("reader", readers)):
+                for i, kind in enumerate(kinds):
+                    code = (f"import sys; sys.path.insert(0, {here!r}); import test_ring; "
+                            f"test_ring._kind_child({role!r}, {ring.fd}, {i}, {each})")
+                    env = dict(os.environ,
+                               SHMTENSOR_PURE_PYTHON="1" if kind == "python" else "")
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-c", code], env=env, pass_fds=(ring.fd,),
+                        stdout=subprocess.PIPE, text=True))
+            outputs = [procs[i].communicate(timeout=JOIN)[0] for i in range(len(writers))]
+            for _ in readers:
+                ring.put(b"", timeout=JOIN)
+            outputs += [p.communicate(timeout=JOIN)[0] for p in procs[len(writers):]]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+    assert [p.returncode for p in procs] == [0] * len(procs)
+    reports = [json.loads(out) for out in outputs]
+    assert sorted(r[1] for r in reports if r[0] == "writer") == sorted(writers)
+    assert sorted(r[1] for r in reports if r[0] == "reader") == sorted(readers)
+    got = [[tuple(m) for m in r[2]] for r in reports if r[0] == "reader"]
+    for mine in got:  # each reader sees each writer's messages in order
+        for wid in range(len(writers)):
+            seqs = [s for w, s in mine if w == wid]
+            assert seqs == sorted(seqs)
+    assert sorted(m for mine in got for m in mine) == \
+        [(w, s) for w in range(len(writers)) for s in range(each)]
+
+
+def test_get_into(no_leaks):
+    """get(into=...) appends the message as it takes it; a hook's exception leaves both
+    the list and the ring as they were."""
+    with Ring.create(4) as ring:
+        ring.put(b"a")
+        ring.put(b"b")
+        got: list[bytes] = []
+        assert ring.get(into=got) == b"a" and got == [b"a"]
+        with pytest.raises(Interrupted):
+            ring.get(hook=_interrupting, into=got)
+        assert got == [b"a"] and len(ring) == 1
+        assert ring.get(into=got, timeout=JOIN) == b"b" and got == [b"a", b"b"]
+        with pytest.raises(queue.Empty):
+            ring.get(block=False, into=got)
+        assert got == [b"a", b"b"]
+
+
+def _interrupting(*args):
+    raise Interrupted
+
+
+def test_exception_right_after_into_got_the_message(no_leaks, python_path):
+    """Python path: an exception (a signal handler's) between the append to ``into`` and
+    the advance of ``head`` finds the message taken: in the list, not in the ring too."""
+    class Interrupting(list):
+        def append(self, item):
+            super().append(item)
+            raise Interrupted
+
+    with Ring.create(4) as ring:
+        ring.put(b"a")
+        ring.put(b"b")
+        got = Interrupting()
+        with pytest.raises(Interrupted):
+            ring.get(into=got)
+        assert list(got) == [b"a"]
+        assert ring.get(block=False) == b"b" and ring.empty()
+
+
+def test_a_call_inside_a_hook_is_refused(no_leaks):
+    """A put inside a put's hook (which runs under the writers' lock, on either path)
+    gets an error that says so; the outer put goes through."""
+    with Ring.create(2) as ring:
+        def hook(number):
+            with pytest.raises(OSError, match="already holds the ring's lock"):
+                ring.put(b"inner", timeout=JOIN)
+
+        ring.put(b"outer", hook=hook)
+        assert ring.get(timeout=JOIN) == b"outer" and ring.empty()
+
+
+def test_buffers_other_than_bytes(no_leaks):
+    """put takes any C-contiguous buffer; what it cannot take, it refuses as before."""
+    with Ring.create(4) as ring:
+        ring.put(bytearray(b"ab"))
+        ring.put(memoryview(b"xcdx")[1:3])
+        ring.put(array.array("I", [1, 2]))
+        assert [ring.get() for _ in range(3)] == [b"ab", b"cd",
+                                                  bytes(array.array("I", [1, 2]))]
+        with pytest.raises(TypeError):
+            ring.put(memoryview(b"abcd")[::2])
+        with pytest.raises(ValueError, match="does not fit"):
+            ring.put(bytearray(ring.payload_max + 1))
+        assert ring.empty()

@@ -23,6 +23,7 @@ as Ray sends CuPy arrays without shmtensor.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
@@ -65,8 +66,8 @@ def serialize(arr: Any) -> tuple[Any, ...]:
     if ray.is_initialized() and arr.size:
         try:
             exported = export(arr)
-            padding = _exports.pad()  # see there: a worker's result lives on its node
-            return exported if padding is None else (*exported, padding)
+            # a result off the driver's node carries its bytes too: see _exports.carry
+            return (*exported, arr.__reduce_ex__(5)) if _exports.carry() else exported
         except cuda_ipc.CudaIpcError:
             pass
         except Exception as e:  # cudaIpcGetMemHandle refuses VMM or managed memory
@@ -164,12 +165,19 @@ def attach(h: CudaHandle) -> Any:
         return cp.ndarray(h.shape, h.dtype, cp.cuda.MemoryPointer(mem, h.offset), h.strides)
 
 
-def rebuild(h: CudaHandle) -> Any:
+def rebuild(h: CudaHandle, carried: Callable[[], Any] | None = None) -> Any:
+    """The array a handle stands for: the sender's device memory on its host, else a copy
+    (of the bytes the payload carried, or from the agent of the sender's node)."""
     if h.host == _host.host_id():
         try:
             return attach(h)
         except _host.NotReachable:
             pass
+        except _host.SenderGone:
+            if carried is None:
+                raise
+    if carried is not None:
+        return carried()  # CuPy's own reduction: a copy on the current device
     import numpy as np
     out = np.empty(h.shape, h.dtype)
     _agent.fetch_into(h.node_id, h, out)

@@ -9,9 +9,13 @@ into its destination (a shared segment of its own host).  One kernel copy each s
 Ray's object transfer copies into the sender's object store, sends in chunks and writes
 the receiver's store.
 
-Request: ``!I`` length, then the 16-byte token and the pickled handle.  Answer: ``!BQ``
-(status, length), then ``length`` bytes: the data (status 0) or a pickled
-``(error name, message)`` (status 1: the sender is gone, or its fds not reachable).
+Request: the 16-byte token, then ``!I`` length and the pickled handle (at most
+``MAX_REQUEST`` bytes; nothing is read past a wrong token, nothing unpickled before the
+token matched).  Answer: ``!BQ`` (status, length), then ``length`` bytes: the data (status
+0) or a pickled ``(error name, message)`` (status 1: the sender is gone, its fds are not
+reachable, or reading failed otherwise).  An agent serves ``MAX_CONNECTIONS`` connections
+at a time (the rest wait in the listen backlog), and drops one that has not sent its
+request within ``REQUEST_S``.
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ from . import _host
 ANSWER = struct.Struct("!BQ")
 REQUEST = struct.Struct("!I")
 TOKEN_BYTES = 16
-MAX_REQUEST = 1 << 20
+MAX_REQUEST = 64 << 10  # a handle is a few hundred bytes
+MAX_CONNECTIONS = 32
 CONNECT_S = 10.0   # to connect to an agent
-IDLE_S = 60.0      # without a byte from it, once connected
+REQUEST_S = 5.0    # for a peer to send its whole request
+IDLE_S = 60.0      # without a byte from the other side, once connected
 SOCKET_BUFFER = 4 << 20
 
 
@@ -91,42 +97,59 @@ class Server:
         self.sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET)
         self.sock.bind((ip, 0))
         self.sock.listen(64)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.endpoint = Endpoint(ip, self.sock.getsockname()[1], self.token)
         threading.Thread(target=self._accept, daemon=True,
                          name="shmtensor-agent-listener").start()
 
     def _accept(self) -> None:
         while True:
+            self._slots.acquire()
             try:
                 conn, _ = self.sock.accept()
             except OSError:
+                self._slots.release()
                 return
             threading.Thread(target=self._serve, args=(conn,), daemon=True,
                              name="shmtensor-agent-send").start()
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.settimeout(IDLE_S)
-                (n,) = REQUEST.unpack(_recv_exact(conn, REQUEST.size))
-                if not TOKEN_BYTES <= n <= MAX_REQUEST:
-                    return
-                request = _recv_exact(conn, n)
-                if not hmac.compare_digest(request[:TOKEN_BYTES], self.token):
-                    return  # not one of the job's processes: no answer
-                handle = pickle.loads(request[TOKEN_BYTES:])
-                try:
-                    data = self.read(handle)
-                except (_host.SenderGone, _host.NotReachable) as e:
-                    err = pickle.dumps((type(e).__name__, str(e)))
-                    conn.sendall(ANSWER.pack(1, len(err)) + err)
-                    return
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-                conn.sendall(ANSWER.pack(0, data.nbytes))
-                conn.sendall(_bytes_of(data))
-                del data
-            except OSError:
-                pass  # the receiver went away: it sees its own error
+        try:
+            with conn:
+                handle = self._request(conn)
+                if handle is not None:
+                    self._answer(conn, handle)
+        except OSError:
+            pass  # the receiver went away or stalled: it sees its own error
+        finally:
+            self._slots.release()
+
+    def _request(self, conn: socket.socket) -> Any:
+        """The handle a peer asks for; None (nothing answered) for a peer without the token
+        or a malformed request."""
+        conn.settimeout(REQUEST_S)
+        token = _recv_exact(conn, TOKEN_BYTES)
+        if not hmac.compare_digest(token, self.token):
+            return None  # not one of the job's processes: no answer
+        (n,) = REQUEST.unpack(_recv_exact(conn, REQUEST.size))
+        if not 0 < n <= MAX_REQUEST:
+            return None
+        try:
+            return pickle.loads(_recv_exact(conn, n))
+        except Exception:
+            return None
+
+    def _answer(self, conn: socket.socket, handle: Any) -> None:
+        conn.settimeout(IDLE_S)
+        try:
+            data = self.read(handle)
+        except Exception as e:  # the sender's error (gone, not reachable) or the read's
+            err = pickle.dumps((type(e).__name__, str(e)))
+            conn.sendall(ANSWER.pack(1, len(err)) + err)
+            return
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+        conn.sendall(ANSWER.pack(0, data.nbytes))
+        conn.sendall(_bytes_of(data))
 
 
 def receive(ep: Endpoint, handle: Any, out: np.ndarray) -> None:
@@ -141,12 +164,18 @@ def receive(ep: Endpoint, handle: Any, out: np.ndarray) -> None:
         try:
             conn.settimeout(IDLE_S)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
-            request = ep.token + pickle.dumps(handle)
-            conn.sendall(REQUEST.pack(len(request)) + request)
+            request = pickle.dumps(handle)
+            conn.sendall(ep.token + REQUEST.pack(len(request)) + request)
             status, n = ANSWER.unpack(_recv_exact(conn, ANSWER.size))
             if status:
+                if n > MAX_REQUEST:
+                    raise Unreachable(f"the agent at {ep.ip}:{ep.port} answers an error of "
+                                      f"{n} bytes: not an agent")
                 name, message = pickle.loads(_recv_exact(conn, n))
-                raise Refused(_ERRORS.get(name, RuntimeError)(message))
+                known = _ERRORS.get(name)
+                raise Refused(known(message) if known else RuntimeError(
+                    f"the agent of the sender's node could not read the array: "
+                    f"{name}: {message}"))
             if n != out.nbytes:
                 raise Unreachable(f"the agent sends {n} bytes for an array of {out.nbytes}")
             _recv_into(conn, _bytes_of(out))

@@ -346,52 +346,93 @@ def wait_released(timeout: float) -> bool:
     return True
 
 
-# A handle is a few hundred bytes, which Ray would keep inline, in its owner's memory: a
-# worker's task result, then, does not live on the worker's node, and Ray would never see
-# it lost with that node (nor re-run the task that made it).  In a task's result each
-# serialized form carries this padding, one past Ray's inline limit, so that the result
-# is stored in the node's object store as a plain array's would be.  One object for the
-# process: pickle writes it once per serialized object, however many arrays that holds.
-_pad: list[bytes] = []
-
-# Where Ray serializes what is not a task's result, seen from inside the serializer (the
-# result is serialized by Ray's compiled task loop, which has no Python frame): a task's
-# arguments (submitted by the caller, which owns them: they die with it anyway) and
-# ray.put (always stored in the object store).  A Ray that renames these pads them too.
+# A task's result is owned by its caller.  When the result is a handle, the memory it
+# names lives on the worker's node while Ray's object (the handle) lives elsewhere: Ray
+# would neither see the memory lost with that node (so never re-run the task) nor keep
+# the copy its prefetch made.  So a task's result made on a node other than the driver's
+# *carries* the array's bytes besides the handle, as Ray's own serialized array (out of
+# band, into the object store): Ray stores, moves, prefetches, spills and reconstructs it
+# as a plain array, and a receiver on another host (or on the sender's, once the sender
+# is gone) reads it from there.  On the driver's node nothing is carried: its death ends
+# the job, and with it every owner of its objects.
+#
+# The owner of a result is its caller, which Ray does not tell a worker; the driver
+# (every task's caller, unless tasks call tasks) stands for it.  Misjudging it where a
+# task on another node calls a task on this one costs a copy, never data.
+#
+# Only results carry: a task's arguments and ray.put are owned by the process that
+# serializes them (they die with it anyway).  Ray serializes a result in its compiled
+# task loop (no Python frame of Ray's API below the serializer), arguments under
+# remote_function/actor ``_remote`` (``_actor_method_call``), puts under
+# ``worker.put_object``: seen from inside the serializer, those frames tell them apart.
+# A Ray that renames them makes its arguments and puts carry too: a copy, never data.
 _NOT_RESULTS = {("remote_function.py", "_remote"), ("actor.py", "_remote"),
                 ("actor.py", "_actor_method_call"), ("worker.py", "put_object")}
 _MAX_DEPTH = 64
+_driver_nodes: dict[str, str | None] = {}  # job id -> the node of its driver (None: unknown)
 
 
-def pad() -> bytes | None:
-    """The padding for a serialized form made here, now: in a worker, for a task's
-    result; None elsewhere (a driver's objects die with the job, see above)."""
-    from ray._private import worker
-    if getattr(worker.global_worker, "mode", None) != worker.WORKER_MODE:
-        return None
+def is_result() -> bool:
+    """Whether the serialization under way in this thread is a task's result (see above)."""
     frame: FrameType | None = sys._getframe(1)
     for _ in range(_MAX_DEPTH):
         if frame is None:
             break
         code = frame.f_code
         if (os.path.basename(code.co_filename), code.co_name) in _NOT_RESULTS:
-            return None
+            return False
         frame = frame.f_back
-    if not _pad:
-        limit = int(os.environ.get("RAY_max_direct_call_object_size", 100 << 10))
-        _pad.append(bytes(limit + 1))
-    return _pad[0]
+    return True
 
 
-def deserializer(rebuild: Callable[[Any], object]) -> Callable[[tuple[Any, ...]], object]:
-    """Ray's deserializer for a payload ``("p", reduction)`` or ``("s", handle, pin[,
-    padding])``: ``rebuild(handle)`` for the second."""
+def driver_node(job: str) -> str | None:
+    """The node id of job ``job``'s driver (Ray's job table, asked once), None if unknown."""
+    if job not in _driver_nodes:
+        from ray._private import worker
+        node = None
+        try:
+            gcs: Any = getattr(worker.global_worker, "gcs_client")  # set as it connects
+            jobs = gcs.get_all_job_info(
+                job_or_submission_id=job, skip_submission_job_info_field=True,
+                skip_is_running_tasks_field=True)
+            for job_id, info in jobs.items():
+                if job_id.hex() == job:
+                    node = info.driver_address.node_id.hex() or None
+        except Exception:
+            pass  # unknown: results carry their bytes (a copy, never data)
+        _driver_nodes[job] = node
+    return _driver_nodes[job]
+
+
+def carry() -> bool:
+    """Whether a shared array serialized here, now, carries its bytes besides its handle:
+    in a worker, for a task's result, off the driver's node (see above)."""
+    import ray
+    from ray._private import worker
+    if getattr(worker.global_worker, "mode", None) != worker.WORKER_MODE:
+        return False
+    if not is_result():
+        return False
+    ctx = ray.get_runtime_context()
+    return driver_node(ctx.get_job_id()) != ctx.get_node_id()
+
+
+def from_reduction(red: tuple[Any, ...]) -> Any:
+    """The object a ``__reduce_ex__`` tuple stands for."""
+    obj = red[0](*red[1])
+    if len(red) > 2 and red[2] is not None:
+        obj.__setstate__(red[2])
+    return obj
+
+
+def deserializer(rebuild: Callable[[Any, Callable[[], Any] | None], object]
+                 ) -> Callable[[tuple[Any, ...]], object]:
+    """Ray's deserializer for a payload ``("p", reduction)`` (by value) or ``("s", handle,
+    pin[, reduction])``: ``rebuild(handle, carried)``, where ``carried()`` gives the bytes
+    the payload carries (its array by value, see :func:`carry`), or is None."""
     def deserialize(payload: tuple[Any, ...]) -> object:
         if payload[0] == "p":
-            red = payload[1]
-            obj = red[0](*red[1])
-            if len(red) > 2 and red[2] is not None:
-                obj.__setstate__(red[2])
-            return obj
-        return rebuild(payload[1])
+            return from_reduction(payload[1])
+        red = payload[3] if len(payload) > 3 else None
+        return rebuild(payload[1], None if red is None else partial(from_reduction, red))
     return deserialize

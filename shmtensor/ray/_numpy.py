@@ -10,9 +10,11 @@ there zero-copy, read-only).
 A handle is rebuilt on the sender's host as a view of the same segment, writable both
 ways: the receiver reopens the sender's lease description and memfd through
 ``/proc/PID/fd`` (a named segment by its name) and holds the segment's lease as any
-shmtensor receiver does.  On another host, the data comes by value from the agent of the
-sender's node (:mod:`._agent`: over TCP, else through Ray's object store) and lands in a shared segment of the receiver's host, so it
-crosses that host zero-copy from then on.
+shmtensor receiver does.  On another host the data comes by value, into a shared segment
+of the receiver's host (so it crosses that host zero-copy from then on): the bytes the
+payload carries (a task's result made off the driver's node carries them, through Ray's
+object store: see ``_exports.carry``), else from the agent of the sender's node
+(:mod:`._agent`: over TCP, else through Ray's object store).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
@@ -83,18 +86,15 @@ def _plain(a: np.ndarray) -> tuple[Any, ...]:
 
 
 def serialize(a: np.ndarray) -> tuple[Any, ...]:
-    """Ray's serializer for ``np.ndarray``: ``("s", handle, pin[, padding])`` for a shared
-    array this process can export (``_exports.pad``), else ``("p", numpy's own
-    reduction)``."""
+    """Ray's serializer for ``np.ndarray``: ``("s", handle, pin[, numpy's own reduction])``
+    for a shared array this process can export (the reduction where it must carry its
+    bytes, see ``_exports.carry``), else ``("p", numpy's own reduction)``."""
     seg = _segments.segment_of(a) if a.base is not None else None
     if seg is not None:
         exported = export(a, seg)
         if exported is not None:
-            padding = _exports.pad()
-            return exported if padding is None else (*exported, padding)
+            return (*exported, _plain(a)) if _exports.carry() else exported
     return ("p", _plain(a))
-
-
 
 
 def export(a: np.ndarray, seg: _segments.Segment) -> tuple[str, Handle, Pin] | None:
@@ -167,21 +167,26 @@ def attach(h: Handle) -> np.ndarray:
     return out
 
 
-def rebuild(h: Handle) -> np.ndarray:
-    """The array a handle stands for: a view on the sender's host, else a copy by value."""
+def rebuild(h: Handle, carried: Callable[[], np.ndarray] | None = None) -> np.ndarray:
+    """The array a handle stands for: a view on the sender's host, else a copy by value
+    (of the bytes the payload carried, or from the agent of the sender's node)."""
     if h.host == _host.host_id():
         try:
             return attach(h)
         except _host.NotReachable:
-            pass  # same host by its identity, but not by /proc: by value through the agent
+            pass  # same host by its identity, but not by /proc: by value
         except _host.SenderGone as e:
-            raise _host.SenderGone(
-                f"shmtensor.ray: the array sent by pid {h.pid} cannot be attached: {e}.  "
-                "A shared array sent through Ray stays reachable while its sender lives "
-                "(as a Ray object whose owner died is lost): keep the sending actor alive "
-                "until receivers have it, or send a copy (np.array(a))") from None
+            if carried is None:
+                raise _host.SenderGone(
+                    f"shmtensor.ray: the array sent by pid {h.pid} cannot be attached: {e}.  "
+                    "A shared array sent through Ray stays reachable while its sender lives "
+                    "(as a Ray object whose owner died is lost): keep the sending actor "
+                    "alive until receivers have it, or send a copy (np.array(a))") from None
     out = _alloc.empty(h.shape, h.dtype)
-    _agent.fetch_into(h.node_id, h, out)
+    if carried is not None:
+        np.copyto(out, carried())
+    else:
+        _agent.fetch_into(h.node_id, h, out)
     if not h.writeable:
         out.flags.writeable = False
     return out
