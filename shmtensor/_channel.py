@@ -25,7 +25,9 @@ import queue
 import select
 import socket
 import struct
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from itertools import starmap
 from multiprocessing import reduction
@@ -55,11 +57,14 @@ class Channel:
 
     Pickles (for a child being spawned, or through another channel) as its fds."""
 
-    __slots__ = ("ring", "_side_r", "_side_w", "_taken", "_last", "_raw", "_pid",
-                 "__weakref__")
+    __slots__ = ("ring", "turn", "_side_r", "_side_w", "_taken", "_last", "_raw", "_pid",
+                 "_spent", "_close", "__weakref__")
 
     def __init__(self, ring: Ring, side_r: socket.socket, side_w: socket.socket) -> None:
         self.ring, self._side_r, self._side_w = ring, side_r, side_w
+        # the ring's fds close with the channel (a socket closes its own)
+        self._close = weakref.finalize(self, _close_all, ring, side_r, side_w)
+        self._close.atexit = False  # a daemon feeder may still be sending at exit
         self._reset()
 
     def _reset(self) -> None:
@@ -67,7 +72,21 @@ class Channel:
         self._taken: list[tuple[int, scm_rights.Frame]] = []
         self._last = [-1]  # the number of the last record this process took
         self._raw: list[Any] = []  # a datagram read and not yet parsed
+        self._spent: list[int] = []  # a taken record's memfd, closed by the next receive
         self._pid = os.getpid()
+        # one thread of this process receives at a time, from receive to take: what a
+        # receive took is this process's, and the next receive of any thread hands it over
+        self.turn = threading.Lock()
+
+    def turn_args(self, block: bool,
+                  timeout: float | None) -> tuple[()] | tuple[bool] | tuple[bool, float]:
+        """``turn.acquire``'s arguments for a receive with ``block`` and ``timeout`` (in
+        a forked child, the parent's frames let go of first)."""
+        if self._pid != os.getpid():
+            self._forked()
+        if not block:
+            return (False,)
+        return () if timeout is None else (True, max(0.0, timeout))
 
     @classmethod
     def create(cls, capacity: int = CAPACITY, record_size: int = RECORD) -> Channel:
@@ -136,6 +155,9 @@ class Channel:
         message another process's interrupted receive took the body of."""
         if self._pid != os.getpid():
             self._forked()
+        if self._spent:  # left by a hook an exception cut short
+            scm_rights.close_fds(self._spent)
+            self._spent = []
         taken = self._taken
         if not taken:
             deadline = None if not block or timeout is None else time.monotonic() + timeout
@@ -149,9 +171,12 @@ class Channel:
                        "took its body and was interrupted before it finished")
         return frame
 
-    def take(self, load: Callable[..., _T]) -> _T:
+    def take(self, load: Callable[..., _T], held: list[bool]) -> _T:
         """``load(data, fds)`` of the frame :meth:`receive` returned (see
-        ``scm_rights.FrameReader.take``: the same hand-over, with the same guarantees)."""
+        ``scm_rights.FrameReader.take``: the same hand-over, with the same guarantees).
+        ``held``: ``[True]`` while the caller holds :attr:`turn`, which the hand-over
+        lets go of (and marks so) before it hands the result over: an exception right
+        after that leaves the result for this process's next receive, never lost."""
         number, frame = self._taken[0]
         if not frame.result:
             try:
@@ -162,8 +187,9 @@ class Channel:
                     self._last[0] = number; del self._taken[0]  # noqa: E702
                     scm_rights.close_fds(frame.fds)
                 raise
-        # no call in this line: handed over, and never taken again, in one step
-        self._last[0] = number; del self._taken[0]; return frame.result[0]  # type: ignore[no-any-return]  # noqa: E702,E501
+        # one line, one call (the turn let go of, first marked so): then handed over, and
+        # never taken again, in one step
+        held[0] = False; self.turn.release(); self._last[0] = number; del self._taken[0]; return frame.result[0]  # type: ignore[no-any-return]  # noqa: E702,E501
 
     def _take_record(self, number: int, writer: int, data: bytes) -> None:
         """The ring's get hook: runs under its readers' lock before ``head`` moves."""
@@ -175,7 +201,8 @@ class Channel:
             taken.append((number, scm_rights.Frame(data[1:], [])))
             return
         frame, spent = self._side_frame(number, kind == _BIG, _NUM.unpack_from(data, 1)[0])
-        taken.append((number, frame))  # the datagram is the frame's from here on
+        # the datagram is the frame's from here on, its memfd (if any) in _spent
+        self._spent = spent; taken.append((number, frame))  # noqa: E702 (one step)
         self._raw.clear()
         scm_rights.close_fds(spent)
 
@@ -226,12 +253,17 @@ class Channel:
             scm_rights.close_fds(frame.fds)
         fds, _ = scm_rights._collect(self._raw)
         scm_rights.close_fds(fds)
+        scm_rights.close_fds(self._spent)
         self._reset()
 
     def close(self) -> None:
-        self.ring.close()
-        self._side_r.close()
-        self._side_w.close()
+        self._close()
+
+
+def _close_all(ring: Ring, side_r: socket.socket, side_w: socket.socket) -> None:
+    ring.close()
+    side_r.close()
+    side_w.close()
 
 
 def _rebuild(ring_fd: Any, r: Any, w: Any) -> Channel:

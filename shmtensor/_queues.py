@@ -186,8 +186,8 @@ class _ShmQueue(_QueueBase):
         """Send a message in this thread if that keeps the queue's order and the socket
         takes it whole at once (the caller holds ``_notempty``).  False leaves it to the
         feeder thread; a failure raises (the socket is untouched)."""
-        if self._unsent[0]:
-            return False
+        if self._unsent[0] or len(data) > scm_rights.ATOMIC_MAX:
+            return False  # a large one is the feeder's to send, as in the stdlib
         try:
             self._chan.send(data, ctx.wire_fds(), False)
         except Full:
@@ -270,8 +270,8 @@ class _ShmQueue(_QueueBase):
         try:
             while buffer:
                 item = buffer[0]
-                if type(item) is not Frame:
-                    return
+                if type(item) is not Frame or len(item.data) > scm_rights.ATOMIC_MAX:
+                    return  # the feeder's: it reports errors (and sends large ones)
                 try:
                     if not _try_send(item, self._chan):
                         return
@@ -288,13 +288,23 @@ class _ShmQueue(_QueueBase):
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         chan = self._chan
+        acquire = chan.turn_args(block, timeout)
+        deadline = None if not block or timeout is None else time.monotonic() + timeout
+        held: list[bool] = []  # this thread's turn to receive (see Channel.turn)
         try:
-            frame = chan.receive(block, timeout)
-        except Lost:
-            self._sem.release()  # taken off the queue, if not delivered
-            raise
-        _count(frame, self._sem)
-        return chan.take(_reductions.loads)
+            held.extend(starmap(chan.turn.acquire, (acquire,)))
+            if not held[0]:
+                raise Empty
+            try:
+                frame = chan.receive(block, None if deadline is None
+                                     else max(0.0, deadline - time.monotonic()))
+            except Lost:
+                self._sem.release()  # taken off the queue, if not delivered
+                raise
+            _count(frame, self._sem)
+            return chan.take(_reductions.loads, held)  # lets go of the turn as it hands over
+        finally:
+            if held and held[0]: chan.turn.release()  # noqa: E701 (first call of its line)
 
     async def get_async(self, block: bool = True, timeout: float | None = None) -> Any:
         """:meth:`get`, awaited: waits for the socket to be readable in the running event
@@ -429,7 +439,7 @@ class _ShmQueue(_QueueBase):
                     if not done:
                         buffer.appendleft(item)
                 if not done:
-                    time.sleep(_ROOM_POLL)
+                    _wait_for_room(chan)
 
 
 def _count(frame: scm_rights.Frame, sem: BoundedSemaphore) -> None:
@@ -556,6 +566,12 @@ def _send_item(item: Frame | _Unpicklable, chan: Channel) -> bool:
         item.ctx.release()
         item.data = None  # type: ignore[assignment]
         raise
+
+
+def _wait_for_room(chan: Channel) -> None:
+    """Wait a moment before the feeder tries a full channel again (a ring has no fd to
+    wait on for room; a put meanwhile sends what waits, see ``_help_send``)."""
+    time.sleep(_ROOM_POLL)
 
 
 def _feed_failed(e: BaseException, item: Frame | _Unpicklable, ignore_epipe: bool,
