@@ -73,6 +73,7 @@ if TYPE_CHECKING:
         _jointhread: Finalize | None
         _close: Finalize | None
         _closed: bool
+        _maxsize: int
         _joincancelled: bool
         _ignore_epipe: bool
         _unfinished_tasks: Semaphore  # JoinableQueue's
@@ -165,11 +166,12 @@ class _ShmQueue(_QueueBase):
         self._reset()
 
     def __getstate__(self) -> Any:
+        # the stdlib's __getstate__ returns a tuple; its stub says object
         return (*super().__getstate__(), self._chan)  # type: ignore[misc]
 
     def __setstate__(self, state: Any) -> None:
         self._chan = state[-1]
-        super().__setstate__(state[:-1])  # type: ignore[misc]
+        super().__setstate__(state[:-1])
 
     def empty(self) -> bool:
         return self._chan.empty()
