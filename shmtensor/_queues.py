@@ -181,6 +181,8 @@ class _ShmQueue(_QueueBase):
         self._turn = _read_turn()  # this process's side of the read lock
         self._unsent = [0]     # frames given to the feeder and not yet sent (under _notempty)
         self._sending = _Sending()
+        # get_async's awaiters of each event loop, in line (see get_async)
+        self._awaiting: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         # send failures the feeder met, not yet raised (under _notempty)
         self._failures: list[BaseException] = []
 
@@ -309,27 +311,43 @@ class _ShmQueue(_QueueBase):
             if held and held[0]: chan.turn.release()  # noqa: E701 (first call of its line)
 
     async def get_async(self, block: bool = True, timeout: float | None = None) -> Any:
-        """:meth:`get`, awaited: waits for the socket to be readable in the running event
-        loop instead of blocking it (no thread); ``queue.Empty`` as ``get`` raises it.
-        Concurrent awaiters of one loop get one message each, in the order they came.
-        Cancelling it loses no message: a frame it read in part stays for the next
-        ``get``/``get_async`` of this process.  The read lock held by another process or
-        thread is tried again on a timer (1 to 50 ms): a lock has no fd to wait on."""
+        """:meth:`get`, awaited: tries the channel on a timer (1 to 50 ms: a ring has no fd
+        to wait on) in the running event loop instead of blocking it (no thread);
+        ``queue.Empty`` as ``get`` raises it.  Concurrent awaiters of one loop get one
+        message each, in the order they came (they wait in line, and only the first
+        tries).  Cancelling it loses no message: each try is one ``get(False)``, whole or
+        not begun."""
         import asyncio
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
+        if not block:
+            return self.get(False)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        pause = 0.001
-        while True:
+        line = self._awaiting.get(loop)
+        if line is None:
+            line = self._awaiting[loop] = asyncio.Lock()
+        # awaiters of one loop take messages in the order they came (the lock is FIFO)
+        if deadline is None:
+            await line.acquire()
+        else:
             try:
-                return self.get(False)
-            except Empty:
-                if not block or (deadline is not None and loop.time() >= deadline):
-                    raise
-            await asyncio.sleep(pause if deadline is None
-                                else min(pause, max(0.0, deadline - loop.time())))
-            pause = min(pause * 2, 0.05)
+                await asyncio.wait_for(line.acquire(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise Empty from None
+        try:
+            pause = 0.001
+            while True:
+                try:
+                    return self.get(False)
+                except Empty:
+                    if deadline is not None and loop.time() >= deadline:
+                        raise
+                await asyncio.sleep(pause if deadline is None
+                                    else min(pause, max(0.0, deadline - loop.time())))
+                pause = min(pause * 2, 0.05)
+        finally:
+            line.release()
 
     async def put_async(self, obj: object, block: bool = True,
                         timeout: float | None = None) -> None:
