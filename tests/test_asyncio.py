@@ -67,6 +67,18 @@ def _waiting(conn) -> int:
     return -1 if line is None else len(line.waiting)
 
 
+def _line(q):
+    """The running loop's line of ``get_async`` awaiters on ``q`` (a FIFO asyncio.Lock
+    whose holder tries the channel), or None before the loop's first awaiter."""
+    return q._awaiting.get(asyncio.get_running_loop())
+
+
+def _in_line(q) -> int:
+    """How many awaiters of the running loop wait behind the one trying ``q``."""
+    line = _line(q)
+    return -1 if line is None or not line.locked() else len(line._waiters or ())
+
+
 def _messages(n: int) -> list:
     """Distinct messages, half of them arrays that cross through shared memory."""
     return [shmtensor.full((10_000,), i, dtype=np.int64) if i % 2 else ("msg", i)
@@ -94,10 +106,9 @@ def test_many_awaiters_and_a_cancelled_one_get_what_a_synchronous_reader_gets():
     q = smp.Queue()
 
     async def main():
-        fd = q._reader.fileno()
         threads = threading.active_count()
         getters = [asyncio.create_task(q.get_async()) for _ in range(N)]
-        await _until(lambda: _waiting(q._reader) == N - 1, "every awaiter waiting")
+        await _until(lambda: _in_line(q) == N - 1, "every awaiter waiting")
         assert threading.active_count() == threads, "a thread per pending call"
         cancelled = getters.pop(7)
         cancelled.cancel()
@@ -106,7 +117,7 @@ def test_many_awaiters_and_a_cancelled_one_get_what_a_synchronous_reader_gets():
             q.put(m)
         got = [_key(m) for m in await asyncio.gather(*getters)]
         last = _key(q.get(timeout=JOIN))  # the message the cancelled one did not take
-        assert not _watched(fd), "a reader left registered"
+        assert _in_line(q) == -1, "an awaiter left in line"
         return got + [last]
 
     try:
@@ -122,12 +133,11 @@ def test_a_cancelled_awaiter_then_a_synchronous_get_gets_the_next_message():
 
     async def main():
         first = asyncio.create_task(q.get_async())
-        await _until(lambda: q._reader._lines, "the awaiter watching")
+        await _until(lambda: _in_line(q) == 0, "the awaiter trying")
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
-        assert not _watched(q._reader.fileno())
-        assert not q._reader._lines, "the loop's line is kept after its last awaiter left"
+        assert _in_line(q) == -1, "the line is held after its last awaiter left"
 
     try:
         run(main())
