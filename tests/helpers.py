@@ -13,6 +13,15 @@ import shmtensor
 import shmtensor.multiprocessing as smp
 
 
+def exit_once_segments_freed(done, timeout):
+    """A producer's end: wait (up to ``timeout``) for ``done``, let go of idle segments and
+    exit 0 if none of its own is live or idle any more, else 3 (its memory still held)."""
+    done.wait(timeout)
+    shmtensor.empty_cache()
+    info = shmtensor.debug_info()
+    os._exit(0 if info["segments_own_live"] + info["segments_own_idle"] == 0 else 3)
+
+
 def simple_fill(queue, event):
     data = queue.get()
     data[0][:] = 4

@@ -2,7 +2,7 @@
 
 Each "host" is a set of namespaces of its own: a network namespace (the two joined by a
 veth pair, 10.200.0.1 and 10.200.0.2), a mount namespace with private tmpfs on /dev/shm and
-/tmp, a UTS namespace (its own hostname) and a pid namespace whose pid 1 is a small reaper
+/tmp/ray, a UTS namespace (its own hostname) and a pid namespace whose pid 1 is a small reaper
 (:data:`INIT`).  The Ray head runs in host A, a worker node in host B; drivers run in
 host A through ``nsenter`` and answer in JSON on stdout.  Only addresses inside the
 namespaces are used.
@@ -28,12 +28,14 @@ from typing import Any
 HEAD_IP, WORKER_IP = "10.200.0.1", "10.200.0.2"
 PORT = 6379
 
-# pid 1 of a host: mounts its private /dev/shm and /tmp, names the host, says "up", then
-# reaps whatever is orphaned to it (Ray's daemons) until killed.
+# pid 1 of a host: mounts its private /dev/shm and /tmp/ray (Ray's sessions and sockets;
+# the rest of /tmp stays shared, so a checkout or venv under /tmp runs there too), names the
+# host, says "up", then reaps whatever is orphaned to it (Ray's daemons) until killed.
 INIT = r"""
 import os, signal, socket, subprocess, sys
 host = sys.argv[1]
-for where, size in (("/dev/shm", "1g"), ("/tmp", "1g")):
+os.makedirs("/tmp/ray", exist_ok=True)
+for where, size in (("/dev/shm", "1g"), ("/tmp/ray", "1g")):
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", where],
                    check=True)
 socket.sethostname(host)
@@ -169,8 +171,9 @@ def ray_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         # a dead node is declared dead after ~3 s rather than ~15 s
         "RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "4",
         "RAY_health_check_initial_delay_ms": "1000", "RAY_health_check_timeout_ms": "1000",
-        # the host's private /tmp: nothing of this machine's ~/.ray (an auth token) applies
-        "HOME": "/tmp", "RAY_AUTH_MODE": "disabled",
+        # the host's private /tmp/ray: nothing of this machine's ~/.ray (an auth token)
+        # applies
+        "HOME": "/tmp/ray", "RAY_AUTH_MODE": "disabled",
         "RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_IMPORT_WARNING": "1",
         "PYTHONPATH": os.pathsep.join(p for p in (_repo(), env.get("PYTHONPATH")) if p),
     })

@@ -29,7 +29,7 @@ import shmtensor.multiprocessing as smp
 from shmtensor import _connection, _queues, _reductions, _segments, _wire
 from shmtensor.ipc import ofd_lease, posix_shm, scm_rights
 
-from helpers import stall_mid_frame
+from helpers import exit_once_segments_freed, stall_mid_frame
 
 JOIN = 60
 # the channel's receive and the load: unpickling, holds, mappings and the receive cache
@@ -180,10 +180,7 @@ def _produce(q, n, done):
         q.put(_message(i))
     q.close()
     q.join_thread()
-    done.wait(JOIN)
-    shmtensor.empty_cache()
-    info = shmtensor.debug_info()
-    os._exit(0 if info["segments_own_live"] + info["segments_own_idle"] == 0 else 3)
+    exit_once_segments_freed(done, JOIN)
 
 
 def _fds() -> dict[int, str]:
@@ -288,10 +285,7 @@ def test_an_exception_at_every_line_of_a_receive_loses_and_leaks_nothing(lc, how
 def _produce_simple(q, n, done):
     for i in range(n):
         q.put(_message(i))
-    done.wait(JOIN)
-    shmtensor.empty_cache()
-    info = shmtensor.debug_info()
-    os._exit(0 if info["segments_own_live"] + info["segments_own_idle"] == 0 else 3)
+    exit_once_segments_freed(done, JOIN)
 
 
 def _open_fds(n: int) -> list[int]:

@@ -34,6 +34,7 @@ import shmtensor.multiprocessing as smp
 from shmtensor import _segments
 from shmtensor.ipc import ofd_lease
 
+from helpers import exit_once_segments_freed
 from test_receive_atomic import Inject
 
 JOIN = 60
@@ -45,10 +46,7 @@ def _produce(q, n, done):
         q.put((i, np.full(SIZE, i, np.int64)))
     q.close()
     q.join_thread()
-    done.wait(JOIN)
-    shmtensor.empty_cache()
-    info = shmtensor.debug_info()
-    os._exit(0 if info["segments_own_live"] + info["segments_own_idle"] == 0 else 3)
+    exit_once_segments_freed(done, JOIN)
 
 
 def _mapped() -> list[str]:
@@ -201,10 +199,7 @@ def _produce_small(q, n, done):
         q.put((i, np.full(100_000, i % 256, np.uint8)))  # a slab's: one slot for many
     q.close()
     q.join_thread()
-    done.wait(JOIN)
-    shmtensor.empty_cache()
-    info = shmtensor.debug_info()
-    os._exit(0 if info["segments_own_live"] + info["segments_own_idle"] == 0 else 3)
+    exit_once_segments_freed(done, JOIN)
 
 
 def _locks_free() -> bool:
