@@ -53,19 +53,41 @@ class Lost(OSError):
 
 
 class Channel:
-    """One channel's ends in this process: ``send`` and ``receive`` of (bytes, fds).
-
-    Pickles (for a child being spawned, or through another channel) as its fds."""
+    """One channel's ends in this process: ``send`` and ``receive`` of (bytes, fds)."""
 
     __slots__ = ("ring", "turn", "_side_r", "_side_w", "_taken", "_last", "_raw", "_pid",
                  "_spent", "_close", "__weakref__")
 
     def __init__(self, ring: Ring, side_r: socket.socket, side_w: socket.socket) -> None:
         self.ring, self._side_r, self._side_w = ring, side_r, side_w
-        # the ring's fds close with the channel (a socket closes its own)
-        self._close = weakref.finalize(self, _close_all, ring, side_r, side_w)
+        # the ring's fds close with the channel (its sockets are its owner's to close)
+        self._close = weakref.finalize(self, ring.close)
         self._close.atexit = False  # a daemon feeder may still be sending at exit
         self._reset()
+
+    @classmethod
+    def create(cls, side_r: socket.socket, side_w: socket.socket, capacity: int = CAPACITY,
+               record_size: int = RECORD) -> Channel:
+        """A new channel of ``capacity`` records whose side path is the connected
+        ``SOCK_SEQPACKET`` pair (``side_r``, ``side_w``), which the caller owns: once every
+        process has closed ``side_r``, ``send`` raises ``BrokenPipeError`` as a pipe's
+        writer does."""
+        return cls(Ring.create(capacity, record_size), side_r, side_w)
+
+    def ring_state(self) -> Any:
+        """The ring, as :meth:`attach` takes it in another process (pickled)."""
+        return reduction.DupFd(self.ring.fd)
+
+    @classmethod
+    def attach(cls, ring_state: Any, side_r: socket.socket, side_w: socket.socket) -> Channel:
+        """This process's ends of a channel: ``ring_state`` from :meth:`ring_state`, and
+        this process's copies of its sockets."""
+        fd = ring_state.detach()
+        try:
+            ring = Ring.attach(fd)
+        finally:
+            os.close(fd)
+        return cls(ring, side_r, side_w)
 
     def _reset(self) -> None:
         # (record number, frame) taken off the ring, not yet handed over
@@ -88,21 +110,6 @@ class Channel:
             return (False,)
         return () if timeout is None else (True, max(0.0, timeout))
 
-    @classmethod
-    def create(cls, capacity: int = CAPACITY, record_size: int = RECORD) -> Channel:
-        ring = Ring.create(capacity, record_size)
-        try:
-            r, w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        except BaseException:
-            ring.close()
-            raise
-        return cls(ring, r, w)
-
-    def __reduce__(self) -> tuple[Callable[..., Channel], tuple[Any, ...]]:
-        return _rebuild, (reduction.DupFd(self.ring.fd),
-                          reduction.DupFd(self._side_r.fileno()),
-                          reduction.DupFd(self._side_w.fileno()))
-
     # -- sending -----------------------------------------------------------------------
 
     def send(self, data: bytes, fds: Sequence[int] = (), block: bool = True,
@@ -111,6 +118,8 @@ class Channel:
         ``timeout``) or raise ``queue.Full``.  The caller keeps ``fds`` (they are
         duplicated into the message)."""
         ring = self.ring
+        if self._side_r.fileno() < 0 and self.unread():
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))  # described by the caller
         if not fds and len(data) < ring.payload_max:
             ring.put(_INLINE + data, block, timeout)
             return
@@ -244,6 +253,17 @@ class Channel:
                 return scm_rights.Frame(_read_memfd(fds[0]), fds[1:]), fds[:1]
             return scm_rights.Frame(bytes(body), fds), []
 
+    def unread(self) -> bool:
+        """Whether no process reads this channel any more: every reading end (this
+        process's included) closed, as a pipe with no reader.  A syscall: ``send`` asks
+        only once this process has closed its own reading end."""
+        try:
+            poller = select.poll()
+            poller.register(self._side_w, select.POLLOUT)
+            return any(ev & (select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
+        except (OSError, ValueError):  # the writing end closed too: the send says so
+            return False
+
     def empty(self) -> bool:
         return not self._taken and self.ring.empty()
 
@@ -258,21 +278,6 @@ class Channel:
 
     def close(self) -> None:
         self._close()
-
-
-def _close_all(ring: Ring, side_r: socket.socket, side_w: socket.socket) -> None:
-    ring.close()
-    side_r.close()
-    side_w.close()
-
-
-def _rebuild(ring_fd: Any, r: Any, w: Any) -> Channel:
-    fd, rfd, wfd = ring_fd.detach(), r.detach(), w.detach()
-    try:
-        ring = Ring.attach(fd)
-    finally:
-        os.close(fd)
-    return Channel(ring, socket.socket(fileno=rfd), socket.socket(fileno=wfd))
 
 
 def _memfd_of(data: bytes) -> int:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import errno
 import os
+import socket
 import sys
 import threading
 import time
@@ -158,20 +159,15 @@ class _ShmQueue(_QueueBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._reader.close()
-        self._writer.close()
-        self._reader, self._writer = Pipe(duplex=False)
-        # a ring as deep as maxsize never fills (the semaphore counts what is in it)
-        self._chan = Channel.create(min(self._maxsize, _RING_DEPTH))
-        self._reset()
+        _on_channel(self)
 
     def __getstate__(self) -> Any:
         # the stdlib's __getstate__ returns a tuple; its stub says object
-        return (*super().__getstate__(), self._chan)  # type: ignore[misc]
+        return (*super().__getstate__(), self._chan.ring_state())  # type: ignore[misc]
 
     def __setstate__(self, state: Any) -> None:
-        self._chan = state[-1]
         super().__setstate__(state[:-1])
+        self._chan = Channel.attach(state[-1], self._reader._sock, self._writer._sock)
 
     def empty(self) -> bool:
         return self._chan.empty()
@@ -196,6 +192,10 @@ class _ShmQueue(_QueueBase):
             self._chan.send(data, ctx.wire_fds(), False)
         except Full:
             return False
+        except BrokenPipeError:
+            if self._ignore_epipe:  # concurrent.futures: the feeder drops it, as in the stdlib
+                return False
+            raise
         ctx.release()
         return True
 
@@ -467,6 +467,20 @@ def _count(frame: scm_rights.Frame, sem: BoundedSemaphore) -> None:
     an exception left for the next get is counted once)."""
     if not frame.counted:
         frame.counted = True; sem.release()  # noqa: E702 (one line: never twice, never lost)
+
+
+def _on_channel(q: Any) -> None:
+    """Move a new stdlib queue ``q`` (never used) onto a channel: its pipe closed, its
+    ``_reader`` and ``_writer`` made the channel's side sockets (closing ``_reader`` in
+    every process is what tells a writer that nobody reads, as with the stdlib's pipe)."""
+    q._reader.close()
+    q._writer.close()
+    r, w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    q._reader = Connection(r.detach(), writable=False)
+    q._writer = Connection(w.detach(), readable=False)
+    # a ring as deep as maxsize never fills (the semaphore counts what is in it)
+    q._chan = Channel.create(q._reader._sock, q._writer._sock, min(q._maxsize, _RING_DEPTH))
+    q._reset()
 
 
 class ReadTurn:
