@@ -118,7 +118,7 @@ class Channel:
         ``timeout``) or raise ``queue.Full``.  The caller keeps ``fds`` (they are
         duplicated into the message)."""
         ring = self.ring
-        if self._side_r.fileno() < 0 and self.unread():
+        if self._side_r.fileno() < 0 and self.readers_gone():
             raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))  # described by the caller
         if not fds and len(data) < ring.payload_max:
             ring.put(_INLINE + data, block, timeout)
@@ -253,7 +253,7 @@ class Channel:
                 return scm_rights.Frame(_read_memfd(fds[0]), fds[1:]), fds[:1]
             return scm_rights.Frame(bytes(body), fds), []
 
-    def unread(self) -> bool:
+    def readers_gone(self) -> bool:
         """Whether no process reads this channel any more: every reading end (this
         process's included) closed, as a pipe with no reader.  A syscall: ``send`` asks
         only once this process has closed its own reading end."""

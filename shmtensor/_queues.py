@@ -168,6 +168,7 @@ class _ShmQueue(_QueueBase):
     def __setstate__(self, state: Any) -> None:
         super().__setstate__(state[:-1])
         self._chan = Channel.attach(state[-1], self._reader._sock, self._writer._sock)
+        _spin_as_set(self)
 
     def empty(self) -> bool:
         return self._chan.empty()
@@ -480,7 +481,14 @@ def _on_channel(q: Any) -> None:
     q._writer = Connection(w.detach(), readable=False)
     # a ring as deep as maxsize never fills (the semaphore counts what is in it)
     q._chan = Channel.create(q._reader._sock, q._writer._sock, min(q._maxsize, _RING_DEPTH))
+    _spin_as_set(q)
     q._reset()
+
+
+def _spin_as_set(q: Any) -> None:
+    """The channel's reader polls as ``set_receive_spin`` says (its ``_reader``'s wait)."""
+    wait = q._reader._wait
+    q._chan.ring.spin = 0.0 if wait is None else wait.budget
 
 
 class ReadTurn:
