@@ -38,7 +38,7 @@ from __future__ import annotations
 import collections
 import errno
 import os
-import select
+import socket
 import sys
 import threading
 import time
@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Protocol, final
 from shmtensor.ipc import scm_rights
 
 from . import _reductions
+from ._channel import Channel, Lost
 from ._connection import Connection, Pipe, dumps_to_send, send_error
 from ._wire import SendContext
 
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
         _jointhread: Finalize | None
         _close: Finalize | None
         _closed: bool
+        _maxsize: int
         _joincancelled: bool
         _ignore_epipe: bool
         _unfinished_tasks: Semaphore  # JoinableQueue's
@@ -99,6 +101,8 @@ else:  # the stdlib's classes are generic for typing only (subscripted from 3.12
     _StdQueue = _mpq.Queue
     _StdJoinableQueue = _mpq.JoinableQueue
 
+_RING_DEPTH = 1024  # records in a queue's ring; beyond, put()s wait in the feeder's buffer
+_ROOM_POLL = 0.0005  # seconds the feeder waits before it tries a full channel again
 _sentinel: object = _mpq._sentinel  # type: ignore[attr-defined]  # private: the stdlib's finalizer appends it to stop the feeder
 
 
@@ -155,16 +159,27 @@ class _ShmQueue(_QueueBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._reader.close()
-        self._writer.close()
-        self._reader, self._writer = Pipe(duplex=False)
-        self._reset()
+        _on_channel(self)
+
+    def __getstate__(self) -> Any:
+        # the stdlib's __getstate__ returns a tuple; its stub says object
+        return (*super().__getstate__(), self._chan.ring_state())  # type: ignore[misc]
+
+    def __setstate__(self, state: Any) -> None:
+        super().__setstate__(state[:-1])
+        self._chan = Channel.attach(state[-1], self._reader._sock, self._writer._sock)
+        _spin_as_set(self)
+
+    def empty(self) -> bool:
+        return self._chan.empty()
 
     def _reset(self, after_fork: bool = False) -> None:
         super()._reset(after_fork)
         self._turn = _read_turn()  # this process's side of the read lock
         self._unsent = [0]     # frames given to the feeder and not yet sent (under _notempty)
         self._sending = _Sending()
+        # get_async's awaiters of each event loop, in line (see get_async)
+        self._awaiting: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         # send failures the feeder met, not yet raised (under _notempty)
         self._failures: list[BaseException] = []
 
@@ -172,24 +187,18 @@ class _ShmQueue(_QueueBase):
         """Send a message in this thread if that keeps the queue's order and the socket
         takes it whole at once (the caller holds ``_notempty``).  False leaves it to the
         feeder thread; a failure raises (the socket is untouched)."""
-        sock = self._writer._sock
-        if self._unsent[0] or sock is None or len(data) > scm_rights.ATOMIC_MAX:
-            return False
-        wlock = self._wlock
-        if wlock is not None and not wlock.acquire(False):
-            return False
+        if self._unsent[0] or len(data) > scm_rights.ATOMIC_MAX:
+            return False  # a large one is the feeder's to send, as in the stdlib
         try:
-            sent = scm_rights.try_send_frame(sock, data, ctx.wire_fds())
+            self._chan.send(data, ctx.wire_fds(), False)
+        except Full:
+            return False
         except BrokenPipeError:
             if self._ignore_epipe:  # concurrent.futures: the feeder drops it, as in the stdlib
                 return False
             raise
-        finally:
-            if wlock is not None:
-                wlock.release()
-        if sent:
-            ctx.release()
-        return sent
+        ctx.release()
+        return True
 
     def _raise_failures(self, outcome: str) -> None:
         """Raise the first send failure the feeder recorded (and forget them all)."""
@@ -266,10 +275,10 @@ class _ShmQueue(_QueueBase):
         try:
             while buffer:
                 item = buffer[0]
-                if type(item) is not Frame:
-                    return
+                if type(item) is not Frame or len(item.data) > scm_rights.ATOMIC_MAX:
+                    return  # the feeder's: it reports errors (and sends large ones)
                 try:
-                    if not _try_send(item, self._writer, self._wlock, False):
+                    if not _try_send(item, self._chan):
                         return
                 except Exception:
                     return  # the frame is whole: the feeder meets the error and reports it
@@ -283,35 +292,63 @@ class _ShmQueue(_QueueBase):
         """The stdlib's, receiving a frame with its fds."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        reader = self._reader
-        if block and timeout is None:
-            frame = _read_locked(reader, self._rlock, self._turn, (), None)
-        elif block and timeout is not None:
-            deadline = time.monotonic() + timeout  # the whole frame within the timeout
-            frame = _read_locked(reader, self._rlock, self._turn, (True, timeout), deadline)
-        else:
-            frame = _read_locked(reader, self._rlock, self._turn, (False,), 0.0)
-        if frame is None:
-            raise Empty
-        _count(frame, self._sem)
-        return reader.take(_reductions.loads)
+        chan = self._chan
+        acquire = chan.turn_args(block, timeout)
+        deadline = None if not block or timeout is None else time.monotonic() + timeout
+        held: list[bool] = []  # this thread's turn to receive (see Channel.turn)
+        try:
+            held.extend(starmap(chan.turn.acquire, (acquire,)))
+            if not held[0]:
+                raise Empty
+            try:
+                frame = chan.receive(block, None if deadline is None
+                                     else max(0.0, deadline - time.monotonic()))
+            except Lost:
+                self._sem.release()  # taken off the queue, if not delivered
+                raise
+            _count(frame, self._sem)
+            return chan.take(_reductions.loads, held)  # lets go of the turn as it hands over
+        finally:
+            if held and held[0]: chan.turn.release()  # noqa: E701 (first call of its line)
 
     async def get_async(self, block: bool = True, timeout: float | None = None) -> Any:
-        """:meth:`get`, awaited: waits for the socket to be readable in the running event
-        loop instead of blocking it (no thread); ``queue.Empty`` as ``get`` raises it.
-        Concurrent awaiters of one loop get one message each, in the order they came.
-        Cancelling it loses no message: a frame it read in part stays for the next
-        ``get``/``get_async`` of this process.  The read lock held by another process or
-        thread is tried again on a timer (1 to 50 ms): a lock has no fd to wait on."""
-        from . import _aio  # asyncio loads with the first awaitable call
+        """:meth:`get`, awaited: tries the channel on a timer (1 to 50 ms: a ring has no fd
+        to wait on) in the running event loop instead of blocking it (no thread);
+        ``queue.Empty`` as ``get`` raises it.  Concurrent awaiters of one loop get one
+        message each, in the order they came (they wait in line, and only the first
+        tries).  Cancelling it loses no message: each try is one ``get(False)``, whole or
+        not begun."""
+        import asyncio
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        reader = self._reader
-        frame = await _aio.read_frame(reader, self._rlock, self._turn, block, timeout)
-        if frame is None:
-            raise Empty
-        _count(frame, self._sem)
-        return reader.take(_reductions.loads)
+        if not block:
+            return self.get(False)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        line = self._awaiting.get(loop)
+        if line is None:
+            line = self._awaiting[loop] = asyncio.Lock()
+        # awaiters of one loop take messages in the order they came (the lock is FIFO)
+        if deadline is None:
+            await line.acquire()
+        else:
+            try:
+                await asyncio.wait_for(line.acquire(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise Empty from None
+        try:
+            pause = 0.001
+            while True:
+                try:
+                    return self.get(False)
+                except Empty:
+                    if deadline is not None and loop.time() >= deadline:
+                        raise
+                await asyncio.sleep(pause if deadline is None
+                                    else min(pause, max(0.0, deadline - loop.time())))
+                pause = min(pause * 2, 0.05)
+        finally:
+            line.release()
 
     async def put_async(self, obj: object, block: bool = True,
                         timeout: float | None = None) -> None:
@@ -365,7 +402,8 @@ class _ShmQueue(_QueueBase):
             args=(self._buffer, self._notempty, self._writer, self._wlock,
                   self._reader.close, self._writer.close, self._ignore_epipe,
                   self._on_queue_feeder_error, self._sem, self._unsent,
-                  self._failures if self._raise_later else None, self._sending),
+                  self._failures if self._raise_later else None, self._sending,
+                  self._chan),
             name="QueueFeederThread", daemon=True)
         try:
             self._thread.start()
@@ -385,7 +423,7 @@ class _ShmQueue(_QueueBase):
               writer_close: Callable[[], None], ignore_epipe: bool,
               onerror: Callable[[BaseException, object], None], queue_sem: BoundedSemaphore,
               unsent: list[int], failures: list[BaseException] | None,
-              sending: _Sending) -> None:
+              sending: _Sending, chan: Channel) -> None:
         """The stdlib's ``Queue._feed``, sending the frames ``put`` made.  On an error it
         does what the stdlib's does (EPIPE ignored when asked, nothing reported while the
         process exits, else the semaphore given back and ``onerror(e, obj)`` called), and
@@ -410,7 +448,7 @@ class _ShmQueue(_QueueBase):
                         return
                     done = True
                     try:
-                        done = _send_item(item, writer, writelock, sending)
+                        done = _send_item(item, chan)
                     except Exception as e:
                         if not _feed_failed(e, item, ignore_epipe, onerror, queue_sem,
                                             notempty, failures):
@@ -422,7 +460,7 @@ class _ShmQueue(_QueueBase):
                     if not done:
                         buffer.appendleft(item)
                 if not done:
-                    _wait_for_room(writer)
+                    _wait_for_room(chan)
 
 
 def _count(frame: scm_rights.Frame, sem: BoundedSemaphore) -> None:
@@ -430,6 +468,27 @@ def _count(frame: scm_rights.Frame, sem: BoundedSemaphore) -> None:
     an exception left for the next get is counted once)."""
     if not frame.counted:
         frame.counted = True; sem.release()  # noqa: E702 (one line: never twice, never lost)
+
+
+def _on_channel(q: Any) -> None:
+    """Move a new stdlib queue ``q`` (never used) onto a channel: its pipe closed, its
+    ``_reader`` and ``_writer`` made the channel's side sockets (closing ``_reader`` in
+    every process is what tells a writer that nobody reads, as with the stdlib's pipe)."""
+    q._reader.close()
+    q._writer.close()
+    r, w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    q._reader = Connection(r.detach(), writable=False)
+    q._writer = Connection(w.detach(), readable=False)
+    # a ring as deep as maxsize never fills (the semaphore counts what is in it)
+    q._chan = Channel.create(q._reader._sock, q._writer._sock, min(q._maxsize, _RING_DEPTH))
+    _spin_as_set(q)
+    q._reset()
+
+
+def _spin_as_set(q: Any) -> None:
+    """The channel's reader polls as ``set_receive_spin`` says (its ``_reader``'s wait)."""
+    wait = q._reader._wait
+    q._chan.ring.spin = 0.0 if wait is None else wait.budget
 
 
 class ReadTurn:
@@ -523,64 +582,38 @@ class _Sending:
         self.blocking = False
 
 
-def _try_send(item: Frame, writer: Connection, writelock: Lock | None, wait_lock: bool) -> bool:
-    """Send a frame that ``scm_rights.at_once`` admits if the socket takes it now: True
-    (and its buffer let go), or False with nothing sent (the socket full, or the write
-    lock another's and ``wait_lock`` false).  An error leaves the frame whole."""
-    if writelock is not None and not writelock.acquire(wait_lock):
-        return False
+def _try_send(item: Frame, chan: Channel) -> bool:
+    """Send a frame if the channel takes it now: True (and its buffer let go), or False
+    with nothing sent (the channel full).  An error leaves the frame whole."""
     try:
-        sent = scm_rights.try_send_frame(writer._sock, item.data, item.ctx.wire_fds())
-    finally:
-        if writelock is not None:
-            writelock.release()
-    if sent:
-        item.ctx.release()
-        item.data = None  # type: ignore[assignment]  # let go once sent: nothing reads it after
-    return sent
+        chan.send(item.data, item.ctx.wire_fds(), False)
+    except Full:
+        return False
+    item.ctx.release()
+    item.data = None  # type: ignore[assignment]  # let go once sent: nothing reads it after
+    return True
 
 
-def _send_item(item: Frame | _Unpicklable, writer: Connection, writelock: Lock | None,
-               sending: _Sending) -> bool:
-    """The feeder's send of a frame: False if the socket has no room for it now (nothing
+def _send_item(item: Frame | _Unpicklable, chan: Channel) -> bool:
+    """The feeder's send of a frame: False if the channel has no room for it now (nothing
     sent, the frame whole); else sent, or failed (its buffer let go either way: see
-    ``send_error``).  A frame larger than one non-blocking send takes goes out blocking."""
+    ``send_error``)."""
     if type(item) is _Unpicklable:
         raise item.error  # reported as the stdlib's feeder reports its pickling errors
     try:
-        if writer._sock is not None and scm_rights.at_once(len(item.data), len(item.ctx.fds)):
-            return _try_send(item, writer, writelock, True)
-        sending.blocking = True
-        try:
-            if writelock is None:
-                writer.send_frame(item.data, item.ctx.wire_fds())
-            else:
-                with writelock:
-                    writer.send_frame(item.data, item.ctx.wire_fds())
-        finally:
-            sending.blocking = False
+        return _try_send(item, chan)
     except BaseException:
         if item.obj is None:
             item.obj = bytes(item.data)  # what the stdlib's feeder gives its hook
         item.ctx.release()
         item.data = None  # type: ignore[assignment]
         raise
-    item.ctx.release()
-    item.data = None  # type: ignore[assignment]
-    return True
 
 
-def _wait_for_room(writer: Connection) -> None:
-    """Wait (at most 0.1 s, then the feeder looks again) until the writer's socket has
-    room for a frame."""
-    sock = writer._sock
-    if sock is not None:
-        try:
-            poller = select.poll()
-            poller.register(sock, select.POLLOUT)
-            poller.poll(100)
-        except (OSError, ValueError):  # closed meanwhile: the next send says how
-            pass
+def _wait_for_room(chan: Channel) -> None:
+    """Wait a moment before the feeder tries a full channel again (a ring has no fd to
+    wait on for room; a put meanwhile sends what waits, see ``_help_send``)."""
+    time.sleep(_ROOM_POLL)
 
 
 def _feed_failed(e: BaseException, item: Frame | _Unpicklable, ignore_epipe: bool,

@@ -19,8 +19,7 @@ from concurrent.futures import process as _cfp
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from ._connection import Pipe
-from ._queues import _ShmQueue
+from ._queues import _on_channel, _ShmQueue
 
 __all__ = ["ProcessPoolExecutor", "adopt_call_queue"]
 
@@ -57,10 +56,7 @@ def adopt_call_queue(queue: object) -> bool:
     if type(queue) is not _cfp._SafeQueue or q._thread is not None or q._closed:
         return False
     q.__class__ = _CallQueue
-    q._reader.close()
-    q._writer.close()
-    q._reader, q._writer = Pipe(duplex=False)
-    q._reset()
+    _on_channel(q)
     return True
 
 

@@ -315,6 +315,32 @@ def array_of(i: int, n: int = 16384):
     return np.full(n, i, dtype=np.float64)
 
 
+def stall_mid_message(q):
+    """Start a put on ``q`` (a Queue on a channel) that stops in the middle of writing
+    its message, the channel's writers' lock held and its record not yet written, as a
+    writer that stalls there; returns ``finish()``, which lets it complete (and waits)."""
+    import threading
+
+    from shmtensor import _channel
+    go, started = threading.Event(), threading.Event()
+    record = _channel._INLINE + pickle.dumps(("late", bytes(100)))
+
+    def hook(number):
+        started.set()
+        go.wait(60)
+
+    q._sem.acquire()  # counted as put() counts it
+    t = threading.Thread(target=q._chan.ring.put, args=(record,), kwargs={"hook": hook})
+    t.start()
+    assert started.wait(60), "the stalled put never began"
+
+    def finish():
+        go.set()
+        t.join(60)
+        assert not t.is_alive(), "the stalled put did not finish"
+    return finish
+
+
 def stall_mid_frame(q, queue_counted=True):
     """Write a frame on ``q``'s socket by hand up to the middle of its payload, as a
     writer that stalls there; returns the rest, to send later.  ``queue_counted``: take

@@ -21,7 +21,7 @@ import shmtensor.multiprocessing as smp
 from shmtensor import _aio
 
 from conftest import join_all
-from helpers import stall_mid_frame
+from helpers import stall_mid_message
 
 JOIN = 60  # seconds: only reached when something deadlocks
 N = 50
@@ -67,6 +67,18 @@ def _waiting(conn) -> int:
     return -1 if line is None else len(line.waiting)
 
 
+def _line(q):
+    """The running loop's line of ``get_async`` awaiters on ``q`` (a FIFO asyncio.Lock
+    whose holder tries the channel), or None before the loop's first awaiter."""
+    return q._awaiting.get(asyncio.get_running_loop())
+
+
+def _in_line(q) -> int:
+    """How many awaiters of the running loop wait behind the one trying ``q``."""
+    line = _line(q)
+    return -1 if line is None or not line.locked() else len(line._waiters or ())
+
+
 def _messages(n: int) -> list:
     """Distinct messages, half of them arrays that cross through shared memory."""
     return [shmtensor.full((10_000,), i, dtype=np.int64) if i % 2 else ("msg", i)
@@ -94,10 +106,9 @@ def test_many_awaiters_and_a_cancelled_one_get_what_a_synchronous_reader_gets():
     q = smp.Queue()
 
     async def main():
-        fd = q._reader.fileno()
         threads = threading.active_count()
         getters = [asyncio.create_task(q.get_async()) for _ in range(N)]
-        await _until(lambda: _waiting(q._reader) == N - 1, "every awaiter waiting")
+        await _until(lambda: _in_line(q) == N - 1, "every awaiter waiting")
         assert threading.active_count() == threads, "a thread per pending call"
         cancelled = getters.pop(7)
         cancelled.cancel()
@@ -106,7 +117,7 @@ def test_many_awaiters_and_a_cancelled_one_get_what_a_synchronous_reader_gets():
             q.put(m)
         got = [_key(m) for m in await asyncio.gather(*getters)]
         last = _key(q.get(timeout=JOIN))  # the message the cancelled one did not take
-        assert not _watched(fd), "a reader left registered"
+        assert _in_line(q) == -1, "an awaiter left in line"
         return got + [last]
 
     try:
@@ -122,12 +133,11 @@ def test_a_cancelled_awaiter_then_a_synchronous_get_gets_the_next_message():
 
     async def main():
         first = asyncio.create_task(q.get_async())
-        await _until(lambda: q._reader._lines, "the awaiter watching")
+        await _until(lambda: _in_line(q) == 0, "the awaiter trying")
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
-        assert not _watched(q._reader.fileno())
-        assert not q._reader._lines, "the loop's line is kept after its last awaiter left"
+        assert _in_line(q) == -1, "the line is held after its last awaiter left"
 
     try:
         run(main())
@@ -138,40 +148,40 @@ def test_a_cancelled_awaiter_then_a_synchronous_get_gets_the_next_message():
         q.join_thread()
 
 
-def test_an_awaiter_cancelled_mid_frame_leaves_the_frame_for_the_next_get():
+def test_an_awaiter_cancelled_while_a_message_is_written_loses_nothing():
     q = smp.Queue()
-    rest = stall_mid_frame(q)
+    finish = stall_mid_message(q)
 
     async def main():
         task = asyncio.create_task(q.get_async())
-        await _until(lambda: q._reader._frames._parts, "the frame begun")
+        await asyncio.sleep(0.05)  # it tries the channel, finds nothing whole, waits
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not _watched(q._reader.fileno())
-        # kept for this process: no other consumer may read mid-frame
-        assert q._turn.kept == {"rlock": True} and not q._rlock.acquire(False)
+        assert _in_line(q) == -1, "the line is held after its last awaiter left"
 
     try:
         run(main())
-        q._writer._sock.sendall(rest)
-        assert q.get(timeout=JOIN)[0] == "late"  # the synchronous get resumes the frame
+        finish()
+        assert q.get(timeout=JOIN)[0] == "late"  # the message is whole, and not lost
         q.put("after")
         assert run(q.get_async()) == "after"
     finally:
+        finish()
         q.close()
         q.join_thread()
 
 
-def test_get_async_with_a_timeout_bounds_the_whole_frame_and_the_next_get_resumes_it():
+def test_get_async_with_a_timeout_bounds_the_wait_for_a_message_being_written():
     q = smp.Queue()
-    rest = stall_mid_frame(q)
+    finish = stall_mid_message(q)
     try:
         with pytest.raises(Empty):
             run(q.get_async(timeout=0.2))
-        q._writer._sock.sendall(rest)
+        finish()
         assert run(q.get_async())[0] == "late"
     finally:
+        finish()
         q.close()
         q.join_thread()
 

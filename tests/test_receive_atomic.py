@@ -29,7 +29,7 @@ import shmtensor.multiprocessing as smp
 from shmtensor import _connection, _queues, _reductions, _segments, _wire
 from shmtensor.ipc import ofd_lease, posix_shm, scm_rights
 
-from helpers import exit_once_segments_freed, stall_mid_frame
+from helpers import exit_once_segments_freed, stall_mid_frame, stall_mid_message
 
 JOIN = 60
 # the channel's receive and the load: unpickling, holds, mappings and the receive cache
@@ -389,17 +389,18 @@ def test_a_peer_that_dies_mid_frame_gives_end_of_file_and_its_fds_are_closed():
         b.close()
 
 
-def test_get_with_a_timeout_bounds_the_whole_frame_and_the_next_get_resumes_it():
+def test_get_with_a_timeout_bounds_the_wait_for_a_message_being_written():
     q = smp.Queue()
-    rest = stall_mid_frame(q)
+    finish = stall_mid_message(q)
     try:
         with pytest.raises(Empty):
             q.get(timeout=0.2)
-        q._writer._sock.sendall(rest)
+        finish()
         assert q.get(timeout=JOIN)[0] == "late"
         q.put("after")
         assert q.get(timeout=JOIN) == "after"
     finally:
+        finish()
         q.close()
         q.join_thread()
 
@@ -431,29 +432,30 @@ def _second_consumer(ctx, lc, q):
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_a_frame_part_read_by_one_consumer_keeps_the_others_out_until_it_is_whole(lc, method):
+def test_a_message_being_written_is_seen_by_no_consumer_until_it_is_whole(lc, method):
     ctx = smp.get_context(method)
     q = ctx.Queue()
+    finish = stall_mid_message(q)
     try:
-        rest = stall_mid_frame(q)
         with pytest.raises(Empty):
-            q.get(timeout=0.2)  # this process has read part of the frame
-        q._writer._sock.sendall(rest)
-        # the rest is in the socket: another consumer must not read it as a frame
+            q.get(timeout=0.2)
         assert _second_consumer(ctx, lc, q) == ("empty", None)
+        finish()
         assert q.get(timeout=JOIN)[0] == "late"
-        q.put("after")  # the frame is whole: the read lock is free again
+        q.put("after")
         assert _second_consumer(ctx, lc, q) == ("got", "after")
     finally:
+        finish()
         q.close()
         q.join_thread()
 
 
 @pytest.mark.parametrize("simple", [False, True], ids=["Queue", "SimpleQueue"])
-def test_a_thread_waiting_to_get_resumes_a_frame_another_thread_part_read(simple):
+def test_a_thread_waiting_to_get_takes_the_message_another_thread_gave_up_on(simple):
     import threading
     q = smp.SimpleQueue() if simple else smp.Queue()
     got: list = []
+    finish = None
     try:
         if simple:
             rest = stall_mid_frame(q, queue_counted=False)
@@ -461,17 +463,22 @@ def test_a_thread_waiting_to_get_resumes_a_frame_another_thread_part_read(simple
             with pytest.raises(TimeoutError):
                 _read_locked_until(q, 0.2)
         else:
-            rest = stall_mid_frame(q)
+            finish = stall_mid_message(q)
             with pytest.raises(Empty):
                 q.get(timeout=0.2)
         t = threading.Thread(target=lambda: got.append(q.get()))
-        t.start()  # waits for its turn, then takes over the kept read lock
-        q._writer._sock.sendall(rest)
+        t.start()  # waits for its turn (or the message), then takes the message
+        if simple:
+            q._writer._sock.sendall(rest)
+        else:
+            finish()
         t.join(JOIN)
         assert not t.is_alive() and got and got[0][0] == "late"
         q.put("after")
         assert q.get() == "after"
     finally:
+        if finish is not None:
+            finish()
         q.close()
         if not simple:
             q.join_thread()

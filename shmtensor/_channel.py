@@ -1,0 +1,300 @@
+"""A channel of messages (bytes and fds) between shmtensor's own ends, on a ring.
+
+The bytes of a message travel through an ``ipc.ring.Ring`` in shared memory: no syscall
+per message unless a side sleeps.  A message that carries fds, or that is longer than a
+record, has a record of one byte in the ring and its body in a datagram of a
+``SOCK_SEQPACKET`` socket pair beside it (a message longer than a datagram in a one-shot
+memfd whose fd the datagram carries).  The datagram is sent under the ring's writers' lock
+before its record, and starts with the record's number, so the reader of a record finds
+its datagram, and closes one whose writer died before writing its record (a lower
+number).  See docs/channel-design.md.
+
+What a receive takes is kept here, per process, until it is handed over
+(:meth:`Channel.take`): an exception raised anywhere in a receive (a signal handler's)
+leaves the message for this process's next receive, as ``scm_rights.FrameReader`` does for
+the socket channels.  A record the ring offers again after such an exception (its ``head``
+had not moved) is recognised by its number and not taken twice.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import queue
+import select
+import socket
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from itertools import starmap
+from multiprocessing import reduction
+from typing import Any, TypeVar
+
+from shmtensor.ipc import scm_rights
+from shmtensor.ipc.ring import Ring
+
+_T = TypeVar("_T")
+
+_INLINE, _SIDE, _BIG = b"I", b"S", b"B"
+_NUM = struct.Struct("=Q")
+SIDE_MAX = 64 << 10  # a body up to this goes in the datagram itself; a longer one in a memfd
+_ANC = socket.CMSG_SPACE(scm_rights.MAX_FDS * 4)
+_TAKE = socket.MSG_DONTWAIT | getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+CAPACITY = 1024
+RECORD = 512
+
+
+class Lost(OSError):
+    """A message whose body a reader of another process took and never finished (an
+    exception, a signal handler's, cut its receive short): it is gone."""
+
+
+class Channel:
+    """One channel's ends in this process: ``send`` and ``receive`` of (bytes, fds)."""
+
+    __slots__ = ("ring", "turn", "_side_r", "_side_w", "_taken", "_last", "_raw", "_pid",
+                 "_spent", "_close", "__weakref__")
+
+    def __init__(self, ring: Ring, side_r: socket.socket, side_w: socket.socket) -> None:
+        self.ring, self._side_r, self._side_w = ring, side_r, side_w
+        # the ring's fds close with the channel (its sockets are its owner's to close)
+        self._close = weakref.finalize(self, ring.close)
+        self._close.atexit = False  # a daemon feeder may still be sending at exit
+        self._reset()
+
+    @classmethod
+    def create(cls, side_r: socket.socket, side_w: socket.socket, capacity: int = CAPACITY,
+               record_size: int = RECORD) -> Channel:
+        """A new channel of ``capacity`` records whose side path is the connected
+        ``SOCK_SEQPACKET`` pair (``side_r``, ``side_w``), which the caller owns: once every
+        process has closed ``side_r``, ``send`` raises ``BrokenPipeError`` as a pipe's
+        writer does."""
+        return cls(Ring.create(capacity, record_size), side_r, side_w)
+
+    def ring_state(self) -> Any:
+        """The ring, as :meth:`attach` takes it in another process (pickled)."""
+        return reduction.DupFd(self.ring.fd)
+
+    @classmethod
+    def attach(cls, ring_state: Any, side_r: socket.socket, side_w: socket.socket) -> Channel:
+        """This process's ends of a channel: ``ring_state`` from :meth:`ring_state`, and
+        this process's copies of its sockets."""
+        fd = ring_state.detach()
+        try:
+            ring = Ring.attach(fd)
+        finally:
+            os.close(fd)
+        return cls(ring, side_r, side_w)
+
+    def _reset(self) -> None:
+        # (record number, frame) taken off the ring, not yet handed over
+        self._taken: list[tuple[int, scm_rights.Frame]] = []
+        self._last = [-1]  # the number of the last record this process took
+        self._raw: list[Any] = []  # a datagram read and not yet parsed
+        self._spent: list[int] = []  # a taken record's memfd, closed by the next receive
+        self._pid = os.getpid()
+        # one thread of this process receives at a time, from receive to take: what a
+        # receive took is this process's, and the next receive of any thread hands it over
+        self.turn = threading.Lock()
+
+    def turn_args(self, block: bool,
+                  timeout: float | None) -> tuple[()] | tuple[bool] | tuple[bool, float]:
+        """``turn.acquire``'s arguments for a receive with ``block`` and ``timeout`` (in
+        a forked child, the parent's frames let go of first)."""
+        if self._pid != os.getpid():
+            self._forked()
+        if not block:
+            return (False,)
+        return () if timeout is None else (True, max(0.0, timeout))
+
+    # -- sending -----------------------------------------------------------------------
+
+    def send(self, data: bytes, fds: Sequence[int] = (), block: bool = True,
+             timeout: float | None = None) -> None:
+        """Send one message; with a full channel, wait for room (``block``, up to
+        ``timeout``) or raise ``queue.Full``.  The caller keeps ``fds`` (they are
+        duplicated into the message)."""
+        ring = self.ring
+        if self._side_r.fileno() < 0 and self.readers_gone():
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))  # described by the caller
+        if not fds and len(data) < ring.payload_max:
+            ring.put(_INLINE + data, block, timeout)
+            return
+        deadline = None if not block or timeout is None else time.monotonic() + timeout
+        big = len(data) > SIDE_MAX
+        body: list[int] = []
+        if big:
+            body.append(_memfd_of(data))
+        try:
+            def side(number: int) -> None:
+                self._send_side(number, b"" if big else data, [*body, *fds], block, deadline)
+            size = 8 + (0 if big else len(data))
+            ring.put((_BIG if big else _SIDE) + _NUM.pack(size), block, timeout, hook=side)
+        finally:
+            scm_rights.close_fds(body)
+
+    def _send_side(self, number: int, data: bytes, fds: list[int], block: bool,
+                   deadline: float | None) -> None:
+        sock = self._side_w
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] \
+            if fds else []
+        while True:
+            try:
+                sock.sendmsg([_NUM.pack(number), data], anc, socket.MSG_DONTWAIT)
+                return
+            except BlockingIOError:
+                if not block:
+                    raise queue.Full from None
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise queue.Full
+            poller = select.poll()
+            poller.register(sock, select.POLLOUT)
+            poller.poll(None if left is None else max(1, int(left * 1000)))
+
+    # -- receiving ---------------------------------------------------------------------
+
+    def receive(self, block: bool = True, timeout: float | None = None) -> scm_rights.Frame:
+        """The next message of this process, as a frame for :meth:`take`: one an earlier
+        receive took and did not hand over, else the ring's next (waiting as
+        ``queue.Queue.get`` does, ``queue.Empty`` at the deadline).  ``Lost`` for a
+        message another process's interrupted receive took the body of."""
+        if self._pid != os.getpid():
+            self._forked()
+        if self._spent:  # left by a hook an exception cut short
+            scm_rights.close_fds(self._spent)
+            self._spent = []
+        taken = self._taken
+        if not taken:
+            deadline = None if not block or timeout is None else time.monotonic() + timeout
+            while not taken:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self.ring.get(block, left, hook=self._take_record)
+        number, frame = taken[0]
+        if frame.dead:
+            self._last[0] = number; del taken[0]  # noqa: E702 (one step)
+            raise Lost(errno.EPIPE, "a message on this queue was lost: another process "
+                       "took its body and was interrupted before it finished")
+        return frame
+
+    def take(self, load: Callable[..., _T], held: list[bool]) -> _T:
+        """``load(data, fds)`` of the frame :meth:`receive` returned (see
+        ``scm_rights.FrameReader.take``: the same hand-over, with the same guarantees).
+        ``held``: ``[True]`` while the caller holds :attr:`turn`, which the hand-over
+        lets go of (and marks so) before it hands the result over: an exception right
+        after that leaves the result for this process's next receive, never lost."""
+        number, frame = self._taken[0]
+        if not frame.result:
+            try:
+                frame.result.extend(map(frame.hand_to, (load,), ((),)))
+            except BaseException:
+                if frame.started and not frame.result:
+                    frame.dead = True
+                    self._last[0] = number; del self._taken[0]  # noqa: E702
+                    scm_rights.close_fds(frame.fds)
+                raise
+        # one line, one call (the turn let go of, first marked so): then handed over, and
+        # never taken again, in one step
+        held[0] = False; self.turn.release(); self._last[0] = number; del self._taken[0]; return frame.result[0]  # type: ignore[no-any-return]  # noqa: E702,E501
+
+    def _take_record(self, number: int, writer: int, data: bytes) -> None:
+        """The ring's get hook: runs under its readers' lock before ``head`` moves."""
+        taken = self._taken
+        if number <= self._last[0] or (taken and taken[-1][0] >= number):
+            return  # taken already by this process (an exception before head moved)
+        kind = data[:1]
+        if kind == _INLINE:
+            taken.append((number, scm_rights.Frame(data[1:], [])))
+            return
+        frame, spent = self._side_frame(number, kind == _BIG, _NUM.unpack_from(data, 1)[0])
+        # the datagram is the frame's from here on, its memfd (if any) in _spent
+        self._spent = spent; taken.append((number, frame))  # noqa: E702 (one step)
+        self._raw.clear()
+        scm_rights.close_fds(spent)
+
+    def _side_frame(self, number: int, big: bool,
+                    size: int) -> tuple[scm_rights.Frame, list[int]]:
+        """The body of record ``number`` (a datagram of ``size`` bytes) off the side
+        socket; datagrams of records never written (their writer died) are closed."""
+        raw = self._raw
+        while True:
+            if not raw:
+                try:
+                    raw.extend(starmap(self._side_r.recvmsg, ((size, _ANC, _TAKE),)))
+                except BlockingIOError:
+                    raw.append(None)
+            if raw[0] is None:  # gone: taken by a receive of another process, cut short
+                raw.clear()
+                lost = scm_rights.Frame(b"", [])
+                lost.dead = True
+                return lost, []
+            data, anc, flags, _ = raw[0]
+            fds, _ = scm_rights._collect(raw)
+            got = _NUM.unpack_from(data)[0] if len(data) >= 8 else -1
+            if got <= self._last[0] or (self._taken and self._taken[-1][0] >= got):
+                raw.clear()  # its frame was taken already (the hook was cut short after)
+                continue
+            if got < number or flags & socket.MSG_TRUNC:
+                # an orphan (its writer died before writing its record), or another
+                # record's body read short: closed
+                raw.clear()
+                scm_rights.close_fds(fds)
+                if got < number:
+                    continue
+            if got != number:  # this record's body is gone; a later one stays in raw
+                lost = scm_rights.Frame(b"", [])
+                lost.dead = True
+                return lost, []
+            body = memoryview(data)[8:]
+            if big:  # the body's memfd, closed once the frame is taken
+                return scm_rights.Frame(_read_memfd(fds[0]), fds[1:]), fds[:1]
+            return scm_rights.Frame(bytes(body), fds), []
+
+    def readers_gone(self) -> bool:
+        """Whether no process reads this channel any more: every reading end (this
+        process's included) closed, as a pipe with no reader.  A syscall: ``send`` asks
+        only once this process has closed its own reading end."""
+        try:
+            poller = select.poll()
+            poller.register(self._side_w, select.POLLOUT)
+            return any(ev & (select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
+        except (OSError, ValueError):  # the writing end closed too: the send says so
+            return False
+
+    def empty(self) -> bool:
+        return not self._taken and self.ring.empty()
+
+    def _forked(self) -> None:
+        """A forked child: the parent's taken frames are the parent's to deliver."""
+        for _, frame in self._taken:
+            scm_rights.close_fds(frame.fds)
+        fds, _ = scm_rights._collect(self._raw)
+        scm_rights.close_fds(fds)
+        scm_rights.close_fds(self._spent)
+        self._reset()
+
+    def close(self) -> None:
+        self._close()
+
+
+def _memfd_of(data: bytes) -> int:
+    fd = os.memfd_create("shmtensor_message", os.MFD_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_memfd(fd: int) -> bytes | bytearray:
+    size = os.fstat(fd).st_size
+    if not size:
+        return b""
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
+        return bytearray(m)
