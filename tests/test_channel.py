@@ -368,14 +368,14 @@ def test_broken_pipe_once_a_child_reader_exits(no_leaks):
         p.start()
         out_w.close()
         r.close()
-        assert not ch.unread()
+        assert not ch.readers_gone()
         ch.send(b"one")
         ch.send(b"two" * 100)
         go.set()
         assert out_r.poll(JOIN)
         assert out_r.recv() == [b"one", b"two" * 100]
         join([p])
-        assert ch.unread()
+        assert ch.readers_gone()
         _broken(ch)
     finally:
         if p.is_alive():
