@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(not ringmod.HAVE_RING, reason="needs memfd, OFD 
 ctx = smp.get_context("fork")
 JOIN = 30  # seconds: only reached when something is wedged
 PRODUCERS, CONSUMERS = 2, 2
-BACKLOG = 64  # a producer waits while the ring holds more records than this
+BACKLOG = 64  # a producer waits while more than this are in the ring or its feeder
 
 # The board: an anonymous shared mapping the children inherit.  Counters are written
 # through memoryview items (one store each: a process killed mid-store leaves the old or
@@ -109,7 +109,7 @@ def producer(q, board: mmap.mmap, wid: int, stall: tuple[int, int, bool] | None)
         seq += 1
         if not q._unsent[0]:  # every message put so far is a record of the ring
             acks[_ACKS // 4 + wid] = seq
-        while ring.qsize() > BACKLOG and not board[_STOP]:
+        while ring.qsize() + q._unsent[0] > BACKLOG and not board[_STOP]:
             time.sleep(0.0005)
     deadline = time.monotonic() + JOIN
     while q._unsent[0]:
@@ -254,25 +254,11 @@ def _victims(run: Run, rng: random.Random, kills: int, kind: str) -> None:
             run.spawn(role)
 
 
-# Bugs of _channel.py these runs find (tests/test_channel.py shows each on its own):
-NEXT_DATAGRAM_DROPPED = (
-    "_channel: after a record whose datagram is gone (Lost), the next record's datagram, "
-    "already read, is dropped (_take_record clears _raw; a longer one is read short): "
-    "Lost cascades through every side message read behind it")
-ORPHAN_NUMBER_REUSED = (
-    "_channel: an orphan datagram has the number of the record its dead writer never "
-    "wrote, which the next writer writes: a side record of that number gets the "
-    "orphan's body (corrupt, an empty pickle for a memfd orphan)")
-
-
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind,kills,seed", [
     ("producers", 120, 1),
-    # not strict: whether a consumer dies holding a datagram is up to the timing
-    pytest.param("consumers", 120, 2, marks=pytest.mark.xfail(
-        strict=False, reason=NEXT_DATAGRAM_DROPPED)),
-    pytest.param("lock holders", 120, 3, marks=pytest.mark.xfail(
-        strict=True, reason=f"{ORPHAN_NUMBER_REUSED}; {NEXT_DATAGRAM_DROPPED}"))])
+    ("consumers", 120, 2),
+    ("lock holders", 120, 3)])
+@pytest.mark.timeout(120)
 def test_random_sigkills(lc, kind, kills, seed):
     rng = random.Random(seed)
     board = mmap.mmap(-1, _SIZE)
