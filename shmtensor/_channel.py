@@ -2,12 +2,13 @@
 
 The bytes of a message travel through an ``ipc.ring.Ring`` in shared memory: no syscall
 per message unless a side sleeps.  A message that carries fds, or that is longer than a
-record, has a record of one byte in the ring and its body in a datagram of a
+record, has a record of its kind and a tag in the ring and its body in a datagram of a
 ``SOCK_SEQPACKET`` socket pair beside it (a message longer than a datagram in a one-shot
 memfd whose fd the datagram carries).  The datagram is sent under the ring's writers' lock
-before its record, and starts with the record's number, so the reader of a record finds
-its datagram, and closes one whose writer died before writing its record (a lower
-number).  See docs/channel-design.md.
+before its record, and starts with the record's number and the tag, so the reader of a
+record finds its datagram, and closes one whose writer died before writing its record (an
+orphan: a lower number, or the same number with another tag, as the next writer reuses
+the number).  See docs/architecture.md, "Queues on a channel".
 
 What a receive takes is kept here, per process, until it is handed over
 (:meth:`Channel.take`): an exception raised anywhere in a receive (a signal handler's)
@@ -19,6 +20,7 @@ had not moved) is recognised by its number and not taken twice.
 from __future__ import annotations
 
 import errno
+import itertools
 import mmap
 import os
 import queue
@@ -39,12 +41,28 @@ from shmtensor.ipc.ring import Ring
 _T = TypeVar("_T")
 
 _INLINE, _SIDE, _BIG = b"I", b"S", b"B"
-_NUM = struct.Struct("=Q")
+_TAG = struct.Struct("=Q")  # a side record: its kind, then its datagram's tag
+_HEAD = struct.Struct("=QQ")  # a datagram's head: its record's number, its tag
 SIDE_MAX = 64 << 10  # a body up to this goes in the datagram itself; a longer one in a memfd
+_DATAGRAM_MAX = _HEAD.size + SIDE_MAX
 _ANC = socket.CMSG_SPACE(scm_rights.MAX_FDS * 4)
 _TAKE = socket.MSG_DONTWAIT | getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+_PEEK = socket.MSG_DONTWAIT | socket.MSG_PEEK
+_TRUNC = int(socket.MSG_TRUNC)
 CAPACITY = 1024
 RECORD = 512
+
+
+# A side message's tag: this process's pid and a count, so a datagram whose writer died
+# before its record (an orphan) is never taken for the record written after it at the
+# same ring number by another writer.
+_count = itertools.count(1)
+_pid_tag = [os.getpid() << 32]
+os.register_at_fork(after_in_child=lambda: _pid_tag.__setitem__(0, os.getpid() << 32))
+
+
+def _new_tag() -> int:
+    return _pid_tag[0] | (next(_count) & 0xFFFFFFFF)
 
 
 class Lost(OSError):
@@ -55,8 +73,8 @@ class Lost(OSError):
 class Channel:
     """One channel's ends in this process: ``send`` and ``receive`` of (bytes, fds)."""
 
-    __slots__ = ("ring", "turn", "_side_r", "_side_w", "_taken", "_last", "_raw", "_pid",
-                 "_spent", "_close", "__weakref__")
+    __slots__ = ("ring", "turn", "_side_r", "_side_w", "_taken", "_last", "_raw", "_made",
+                 "_pid", "_spent", "_close", "__weakref__")
 
     def __init__(self, ring: Ring, side_r: socket.socket, side_w: socket.socket) -> None:
         self.ring, self._side_r, self._side_w = ring, side_r, side_w
@@ -94,6 +112,7 @@ class Channel:
         self._taken: list[tuple[int, scm_rights.Frame]] = []
         self._last = [-1]  # the number of the last record this process took
         self._raw: list[Any] = []  # a datagram read and not yet parsed
+        self._made = 0  # the tag of the last datagram made a frame (it may linger in _raw)
         self._spent: list[int] = []  # a taken record's memfd, closed by the next receive
         self._pid = os.getpid()
         # one thread of this process receives at a time, from receive to take: what a
@@ -128,22 +147,23 @@ class Channel:
         body: list[int] = []
         if big:
             body.append(_memfd_of(data))
+        tag = _new_tag()
         try:
             def side(number: int) -> None:
-                self._send_side(number, b"" if big else data, [*body, *fds], block, deadline)
-            size = 8 + (0 if big else len(data))
-            ring.put((_BIG if big else _SIDE) + _NUM.pack(size), block, timeout, hook=side)
+                self._send_side(_HEAD.pack(number, tag), b"" if big else data,
+                                [*body, *fds], block, deadline)
+            ring.put((_BIG if big else _SIDE) + _TAG.pack(tag), block, timeout, hook=side)
         finally:
             scm_rights.close_fds(body)
 
-    def _send_side(self, number: int, data: bytes, fds: list[int], block: bool,
+    def _send_side(self, head: bytes, data: bytes, fds: list[int], block: bool,
                    deadline: float | None) -> None:
         sock = self._side_w
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] \
             if fds else []
         while True:
             try:
-                sock.sendmsg([_NUM.pack(number), data], anc, socket.MSG_DONTWAIT)
+                sock.sendmsg([head, data], anc, socket.MSG_DONTWAIT)
                 return
             except BlockingIOError:
                 if not block:
@@ -209,49 +229,55 @@ class Channel:
         if kind == _INLINE:
             taken.append((number, scm_rights.Frame(data[1:], [])))
             return
-        frame, spent = self._side_frame(number, kind == _BIG, _NUM.unpack_from(data, 1)[0])
-        # the datagram is the frame's from here on, its memfd (if any) in _spent
-        self._spent = spent; taken.append((number, frame))  # noqa: E702 (one step)
+        tag = _TAG.unpack_from(data, 1)[0]
+        frame, spent = self._side_frame(number, kind == _BIG, tag)
+        if frame.dead:
+            taken.append((number, frame))
+            return
+        # the datagram is the frame's from here on (a lingering copy in _raw is known by
+        # its tag), its memfd (if any) in _spent
+        self._spent = spent; self._made = tag; taken.append((number, frame))  # noqa: E702
         self._raw.clear()
         scm_rights.close_fds(spent)
 
     def _side_frame(self, number: int, big: bool,
-                    size: int) -> tuple[scm_rights.Frame, list[int]]:
-        """The body of record ``number`` (a datagram of ``size`` bytes) off the side
-        socket; datagrams of records never written (their writer died) are closed."""
-        raw = self._raw
+                    tag: int) -> tuple[scm_rights.Frame, list[int]]:
+        """The body of record ``number`` (its datagram, tagged ``tag``) off the side
+        socket.  Orphans (datagrams of records never written: their writer died between
+        the two) are closed on the way: numbered below the record, or at its number with
+        another tag.  A datagram numbered above it means this record's own is gone (a
+        reader that took it died before ``head`` moved): a dead frame, that datagram left
+        for its own record."""
+        raw, sock = self._raw, self._side_r
         while True:
             if not raw:
+                # its head first: a later record's datagram (this one's is gone) stays in
+                # the socket for that record's reader
                 try:
-                    raw.extend(starmap(self._side_r.recvmsg, ((size, _ANC, _TAKE),)))
+                    head = sock.recv(_HEAD.size, _PEEK)
                 except BlockingIOError:
-                    raw.append(None)
-            if raw[0] is None:  # gone: taken by a receive of another process, cut short
-                raw.clear()
-                lost = scm_rights.Frame(b"", [])
-                lost.dead = True
-                return lost, []
-            data, anc, flags, _ = raw[0]
+                    return _lost(), []  # gone: taken by a reader cut short (it died)
+                if len(head) == _HEAD.size and _HEAD.unpack(head)[0] > number:
+                    return _lost(), []
+                raw.extend(starmap(sock.recvmsg, ((_DATAGRAM_MAX, _ANC, _TAKE),)))
+            data, flags = raw[0][0], raw[0][2]
             fds, _ = scm_rights._collect(raw)
-            got = _NUM.unpack_from(data)[0] if len(data) >= 8 else -1
-            if got <= self._last[0] or (self._taken and self._taken[-1][0] >= got):
-                raw.clear()  # its frame was taken already (the hook was cut short after)
-                continue
-            if got < number or flags & socket.MSG_TRUNC:
-                # an orphan (its writer died before writing its record), or another
-                # record's body read short: closed
+            got, its_tag = _HEAD.unpack_from(data) if len(data) >= _HEAD.size else (-1, -1)
+            if its_tag == self._made:  # made a frame already (the hook was cut short after)
                 raw.clear()
-                scm_rights.close_fds(fds)
-                if got < number:
-                    continue
-            if got != number:  # this record's body is gone; a later one stays in raw
-                lost = scm_rights.Frame(b"", [])
-                lost.dead = True
-                return lost, []
-            body = memoryview(data)[8:]
-            if big:  # the body's memfd, closed once the frame is taken
-                return scm_rights.Frame(_read_memfd(fds[0]), fds[1:]), fds[:1]
-            return scm_rights.Frame(bytes(body), fds), []
+                continue
+            if got == number and its_tag == tag:
+                if flags & _TRUNC or (big and not fds):  # malformed: dropped
+                    raw.clear()
+                    scm_rights.close_fds(fds)
+                    return _lost(), []
+                if big:  # the body's memfd, closed once the frame is taken
+                    return scm_rights.Frame(_read_memfd(fds[0]), fds[1:]), fds[:1]
+                return scm_rights.Frame(bytes(memoryview(data)[_HEAD.size:]), fds), []
+            if got > number:
+                return _lost(), []
+            raw.clear()  # an orphan
+            scm_rights.close_fds(fds)
 
     def readers_gone(self) -> bool:
         """Whether no process reads this channel any more: every reading end (this
@@ -278,6 +304,12 @@ class Channel:
 
     def close(self) -> None:
         self._close()
+
+
+def _lost() -> scm_rights.Frame:
+    lost = scm_rights.Frame(b"", [])
+    lost.dead = True
+    return lost
 
 
 def _memfd_of(data: bytes) -> int:
