@@ -135,6 +135,8 @@ _TAIL, _HEAD, _R_SLEEPS, _W_SLEEPS, _NEXT = 192, 200, 208, 212, 216
 # see the tail at 0 in between).
 _TAIL_Q, _HEAD_Q = _TAIL // 8, _HEAD // 8
 _R_SLEEPS_I, _W_SLEEPS_I, _NEXT_I = _R_SLEEPS // 4, _W_SLEEPS // 4, _NEXT // 4
+_USER = 224  # USER_WORDS 8-byte words the ring's user keeps (zero when made): Ring.user
+USER_WORDS = 4
 _RECORDS = 256
 _Q = struct.Struct("Q")
 _REC = struct.Struct("QII")  # sequence number, writer's process index, length
@@ -276,7 +278,7 @@ class Ring:
     process's recent waits were no longer (0: sleep at once)."""
 
     __slots__ = ("fd", "capacity", "record_size", "payload_max", "index", "recovered",
-                 "spin", "_hot", "_mem", "_q", "_i", "_anchor", "_base", "_live",
+                 "spin", "user", "_hot", "_mem", "_q", "_i", "_anchor", "_base", "_live",
                  "__weakref__")
 
     fd: int
@@ -291,6 +293,9 @@ class Ring:
         self.fd = fd
         self._mem: mmap.mmap | None = mem
         self._q: memoryview | None = None
+        # words of the ring's header its user keeps, shared by every process (a store of
+        # an item is one machine store): the channel's own bookkeeping
+        self.user: memoryview | None = None
         self._i: memoryview | None = None
         self._anchor: ctypes.c_char | None = None
         self._live = -1
@@ -304,6 +309,7 @@ class Ring:
         try:
             self._q = memoryview(mem).cast("Q")
             self._i = memoryview(mem).cast("I")
+            self.user = self._q[_USER // 8:_USER // 8 + USER_WORDS]
             # held for the mapping's life: the mmap cannot be closed under the address
             self._anchor = ctypes.c_char.from_buffer(mem)
             self._base = ctypes.addressof(self._anchor)
@@ -705,10 +711,10 @@ class Ring:
         mem, self._mem = self._mem, None
         _rings.discard(self)
         self._anchor = None
-        for view in (self._q, self._i):
+        for view in (self.user, self._q, self._i):
             if view is not None:
                 view.release()
-        self._q = self._i = None
+        self._q = self._i = self.user = None
         self._base = 0  # the C fast paths refuse a closed ring by it
         if mem is not None:
             mem.close()

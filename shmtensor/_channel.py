@@ -33,7 +33,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from itertools import starmap
 from multiprocessing import reduction
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from shmtensor.ipc import scm_rights
 from shmtensor.ipc.ring import Ring
@@ -47,10 +47,9 @@ SIDE_MAX = 64 << 10  # a body up to this goes in the datagram itself; a longer o
 _DATAGRAM_MAX = _HEAD.size + SIDE_MAX
 _ANC = socket.CMSG_SPACE(scm_rights.MAX_FDS * 4)
 _TAKE = socket.MSG_DONTWAIT | getattr(socket, "MSG_CMSG_CLOEXEC", 0)
-_PEEK = socket.MSG_DONTWAIT | socket.MSG_PEEK
 _TRUNC = int(socket.MSG_TRUNC)
 CAPACITY = 1024
-RECORD = 512
+RECORD = 1280  # a 1 KiB array and its pickle fit a record
 
 
 # A side message's tag: this process's pid and a count, so a datagram whose writer died
@@ -245,21 +244,26 @@ class Channel:
         """The body of record ``number`` (its datagram, tagged ``tag``) off the side
         socket.  Orphans (datagrams of records never written: their writer died between
         the two) are closed on the way: numbered below the record, or at its number with
-        another tag.  A datagram numbered above it means this record's own is gone (a
-        reader that took it died before ``head`` moved): a dead frame, that datagram left
-        for its own record."""
-        raw, sock = self._raw, self._side_r
+        another tag.  A reader marks in the ring's header (``began``) the record whose
+        datagram it goes to take, so the next reader of a record whose datagram a reader
+        took and never finished with (killed, or interrupted in another process) finds it
+        gone without reading a later record's datagram: a dead frame."""
+        # began[0]: the number + 1 of the last record whose datagram a reader began to take
+        raw, sock, began = self._raw, self._side_r, cast(memoryview, self.ring.user)
+        mine = False
         while True:
             if not raw:
-                # its head first: a later record's datagram (this one's is gone) stays in
-                # the socket for that record's reader
+                if not mine:
+                    # a reader began to take this record's datagram and did not finish
+                    # (killed, or another process's receive cut short): gone, and any
+                    # later datagram stays in the socket for its own record's reader
+                    if began[0] > number:
+                        return _lost(), []
+                    began[0] = number + 1; mine = True  # noqa: E702 (one step)
                 try:
-                    head = sock.recv(_HEAD.size, _PEEK)
+                    raw.extend(starmap(sock.recvmsg, ((_DATAGRAM_MAX, _ANC, _TAKE),)))
                 except BlockingIOError:
-                    return _lost(), []  # gone: taken by a reader cut short (it died)
-                if len(head) == _HEAD.size and _HEAD.unpack(head)[0] > number:
-                    return _lost(), []
-                raw.extend(starmap(sock.recvmsg, ((_DATAGRAM_MAX, _ANC, _TAKE),)))
+                    return _lost(), []  # gone: its reader died before it stored began
             data, flags = raw[0][0], raw[0][2]
             fds, _ = scm_rights._collect(raw)
             got, its_tag = _HEAD.unpack_from(data) if len(data) >= _HEAD.size else (-1, -1)

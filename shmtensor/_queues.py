@@ -101,7 +101,7 @@ else:  # the stdlib's classes are generic for typing only (subscripted from 3.12
     _StdQueue = _mpq.Queue
     _StdJoinableQueue = _mpq.JoinableQueue
 
-_RING_DEPTH = 1024  # records in a queue's ring; beyond, put()s wait in the feeder's buffer
+_RING_DEPTH = 256  # records in a queue's ring; beyond, put()s wait in the feeder's buffer
 _ROOM_POLL = 0.0005  # seconds the feeder waits before it tries a full channel again
 _sentinel: object = _mpq._sentinel  # type: ignore[attr-defined]  # private: the stdlib's finalizer appends it to stop the feeder
 
