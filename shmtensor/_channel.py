@@ -73,7 +73,7 @@ class Channel:
     """One channel's ends in this process: ``send`` and ``receive`` of (bytes, fds)."""
 
     __slots__ = ("ring", "turn", "_side_r", "_side_w", "_taken", "_last", "_raw", "_made",
-                 "_pid", "_spent", "_close", "__weakref__")
+                 "_handing", "_pid", "_spent", "_close", "__weakref__")
 
     def __init__(self, ring: Ring, side_r: socket.socket, side_w: socket.socket) -> None:
         self.ring, self._side_r, self._side_w = ring, side_r, side_w
@@ -112,6 +112,9 @@ class Channel:
         self._last = [-1]  # the number of the last record this process took
         self._raw: list[Any] = []  # a datagram read and not yet parsed
         self._made = 0  # the tag of the last datagram made a frame (it may linger in _raw)
+        # the thread handing _taken[0] over (0: none): it lets go of the turn before it
+        # drops the frame, and another thread's receive waits for that (see take)
+        self._handing = 0
         self._spent: list[int] = []  # a taken record's memfd, closed by the next receive
         self._pid = os.getpid()
         # one thread of this process receives at a time, from receive to take: what a
@@ -183,6 +186,9 @@ class Channel:
         message another process's interrupted receive took the body of."""
         if self._pid != os.getpid():
             self._forked()
+        me = threading.get_ident()
+        while self._handing and self._handing != me:
+            time.sleep(0)  # another thread is handing taken[0] over: it drops it next
         if self._spent:  # left by a hook an exception cut short
             scm_rights.close_fds(self._spent)
             self._spent = []
@@ -206,6 +212,7 @@ class Channel:
         lets go of (and marks so) before it hands the result over: an exception right
         after that leaves the result for this process's next receive, never lost."""
         number, frame = self._taken[0]
+        self._handing = threading.get_ident()
         if not frame.result:
             try:
                 frame.result.extend(map(frame.hand_to, (load,), ((),)))
@@ -216,8 +223,16 @@ class Channel:
                     scm_rights.close_fds(frame.fds)
                 raise
         # one line, one call (the turn let go of, first marked so): then handed over, and
-        # never taken again, in one step
-        held[0] = False; self.turn.release(); self._last[0] = number; del self._taken[0]; return frame.result[0]  # type: ignore[no-any-return]  # noqa: E702,E501
+        # never taken again, in one step.  A thread that gets the turn at that call's
+        # return waits in receive until _handing is cleared here; an exception there
+        # leaves the frame and _handing for disown (the caller's finally)
+        held[0] = False; self.turn.release(); self._last[0] = number; del self._taken[0]; self._handing = 0; return frame.result[0]  # type: ignore[no-any-return]  # noqa: E702,E501
+
+    def disown(self) -> None:
+        """After a receive of this thread, in the caller's ``finally``: a frame it did not
+        finish handing over (an exception) is left to the next receive of any thread."""
+        if self._handing == threading.get_ident():
+            self._handing = 0
 
     def _take_record(self, number: int, writer: int, data: bytes) -> None:
         """The ring's get hook: runs under its readers' lock before ``head`` moves."""

@@ -309,7 +309,10 @@ class _ShmQueue(_QueueBase):
             _count(frame, self._sem)
             return chan.take(_reductions.loads, held)  # lets go of the turn as it hands over
         finally:
-            if held and held[0]: chan.turn.release()  # noqa: E701 (first call of its line)
+            try:
+                chan.disown()
+            finally:
+                if held and held[0]: chan.turn.release()  # noqa: E701 (first call of its line)
 
     async def get_async(self, block: bool = True, timeout: float | None = None) -> Any:
         """:meth:`get`, awaited: tries the channel on a timer (1 to 50 ms: a ring has no fd

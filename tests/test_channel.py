@@ -684,3 +684,65 @@ def test_queue_across_spawn(lc):
     out.close()
     out.join_thread()
     del q, out
+
+
+# -- threads on both ends -----------------------------------------------------------------
+
+def _put_mixed(q, who: int, n: int) -> None:
+    import shmtensor
+    for i in range(n):
+        k = i % 3
+        if k == 0:
+            q.put((who, i, None))
+        elif k == 1:
+            q.put((who, i, np.full(128, i)))  # a record of its own
+        else:
+            a = shmtensor.empty(16)  # fds: a side datagram
+            a[:] = i
+            q.put((who, i, a))
+
+
+def test_threads_on_both_ends_get_each_message_once():
+    """Producer threads here and in a child, consumer threads here, switching threads as
+    often as CPython allows: a thread that gets the turn while another is handing its
+    message over waits for it, so no message is delivered twice or lost."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    q = smp.get_context("fork").Queue()
+    n, producers, consumers = 600, 3, 3
+    got: list = []
+    errors: list = []
+
+    def consume():
+        try:
+            while True:
+                m = q.get(timeout=JOIN)
+                if m is None:
+                    return
+                who, i, v = m
+                got.append((who, i, v is None or int(v[0]) == i))
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+
+    child = smp.get_context("fork").Process(target=_put_mixed, args=(q, producers, n))
+    ts = [threading.Thread(target=consume) for _ in range(consumers)]
+    ps = [threading.Thread(target=_put_mixed, args=(q, w, n)) for w in range(producers)]
+    try:
+        child.start()
+        for t in ts + ps:
+            t.start()
+        join_all(*ps)
+        child.join(JOIN)
+        assert child.exitcode == 0
+        for _ in ts:
+            q.put(None)
+        join_all(*ts)
+    finally:
+        sys.setswitchinterval(old)
+        q.close()
+        q.join_thread()
+    assert not errors, errors[:3]
+    keys = [(w, i) for w, i, _ in got]
+    assert len(keys) == len(set(keys)), "a message was delivered twice"
+    assert set(keys) == {(w, i) for w in range(producers + 1) for i in range(n)}
+    assert all(ok for *_, ok in got)
