@@ -144,6 +144,8 @@ class Channel:
         if not fds and len(data) < ring.payload_max:
             ring.put(_INLINE + data, block, timeout)
             return
+        if not block and ring.full():
+            raise queue.Full  # before a long body is copied into a memfd for nothing
         deadline = None if not block or timeout is None else time.monotonic() + timeout
         big = len(data) > SIDE_MAX
         body: list[int] = []
@@ -201,8 +203,9 @@ class Channel:
         number, frame = taken[0]
         if frame.dead:
             self._last[0] = number; del taken[0]  # noqa: E702 (one step)
-            raise Lost(errno.EPIPE, "a message on this queue was lost: another process "
-                       "took its body and was interrupted before it finished")
+            raise Lost(errno.EPIPE, "a message on this queue was lost: a receive that "
+                       "took its body did not finish (its process was killed, or "
+                       "interrupted), or the message was malformed; the queue goes on")
         return frame
 
     def take(self, load: Callable[..., _T], held: list[bool]) -> _T:
@@ -243,6 +246,9 @@ class Channel:
         if kind == _INLINE:
             taken.append((number, scm_rights.Frame(data[1:], [])))
             return
+        if len(data) < 1 + _TAG.size:  # malformed (not a writer's of this channel): lost
+            taken.append((number, _lost()))
+            return
         tag = _TAG.unpack_from(data, 1)[0]
         frame, spent = self._side_frame(number, kind == _BIG, tag)
         if frame.dead:
@@ -259,10 +265,11 @@ class Channel:
         """The body of record ``number`` (its datagram, tagged ``tag``) off the side
         socket.  Orphans (datagrams of records never written: their writer died between
         the two) are closed on the way: numbered below the record, or at its number with
-        another tag.  A reader marks in the ring's header (``began``) the record whose
-        datagram it goes to take, so the next reader of a record whose datagram a reader
-        took and never finished with (killed, or interrupted in another process) finds it
-        gone without reading a later record's datagram: a dead frame."""
+        another tag; so is junk, numbered above it.  A reader marks in the ring's header
+        (``began``) the record whose datagram it goes to take, so the next reader of a
+        record whose datagram a reader took and never finished with (killed, or
+        interrupted in another process) finds it gone without reading a later record's
+        datagram: a dead frame."""
         # began[0]: the number + 1 of the last record whose datagram a reader began to take
         raw, sock, began = self._raw, self._side_r, cast(memoryview, self.ring.user)
         mine = False
@@ -293,9 +300,9 @@ class Channel:
                 if big:  # the body's memfd, closed once the frame is taken
                     return scm_rights.Frame(_read_memfd(fds[0]), fds[1:]), fds[:1]
                 return scm_rights.Frame(bytes(memoryview(data)[_HEAD.size:]), fds), []
-            if got > number:
-                return _lost(), []
-            raw.clear()  # an orphan
+            # an orphan, or junk: numbered past this record (a record's datagram is only
+            # read by its reader, after the note): closed either way
+            raw.clear()
             scm_rights.close_fds(fds)
 
     def readers_gone(self) -> bool:

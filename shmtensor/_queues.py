@@ -102,7 +102,9 @@ else:  # the stdlib's classes are generic for typing only (subscripted from 3.12
     _StdJoinableQueue = _mpq.JoinableQueue
 
 _RING_DEPTH = 256  # records in a queue's ring; beyond, put()s wait in the feeder's buffer
-_ROOM_POLL = 0.0005  # seconds the feeder waits before it tries a full channel again
+# seconds the feeder waits before it tries a full channel again: doubling from the first
+# to the last while the channel stays full (a reader that lags is not polled hard)
+_ROOM_POLL, _ROOM_POLL_MAX = 0.0005, 0.008
 _sentinel: object = _mpq._sentinel  # type: ignore[attr-defined]  # private: the stdlib's finalizer appends it to stop the feeder
 
 
@@ -434,6 +436,7 @@ class _ShmQueue(_QueueBase):
         room for now goes back to the head of the buffer while the feeder waits for room,
         so that a ``put`` can send it meanwhile (see ``_help_send``)."""
         debug("starting thread to feed data to pipe")
+        waits = 0  # tries in a row that found the channel full
         while True:
             with notempty:
                 if not buffer:
@@ -463,7 +466,10 @@ class _ShmQueue(_QueueBase):
                     if not done:
                         buffer.appendleft(item)
                 if not done:
-                    _wait_for_room(chan)
+                    _wait_for_room(waits)
+                    waits += 1
+                else:
+                    waits = 0
 
 
 def _count(frame: scm_rights.Frame, sem: BoundedSemaphore) -> None:
@@ -613,10 +619,11 @@ def _send_item(item: Frame | _Unpicklable, chan: Channel) -> bool:
         raise
 
 
-def _wait_for_room(chan: Channel) -> None:
-    """Wait a moment before the feeder tries a full channel again (a ring has no fd to
-    wait on for room; a put meanwhile sends what waits, see ``_help_send``)."""
-    time.sleep(_ROOM_POLL)
+def _wait_for_room(waits: int) -> None:
+    """Wait a moment before the feeder tries a full channel again, longer after each of
+    ``waits`` tries that found it full (a ring has no fd to wait on for room; a put
+    meanwhile sends what waits, see ``_help_send``)."""
+    time.sleep(min(_ROOM_POLL * 2 ** min(waits, 8), _ROOM_POLL_MAX))
 
 
 def _feed_failed(e: BaseException, item: Frame | _Unpicklable, ignore_epipe: bool,

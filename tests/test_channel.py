@@ -20,6 +20,7 @@ import random
 import select
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -746,3 +747,49 @@ def test_threads_on_both_ends_get_each_message_once():
     assert len(keys) == len(set(keys)), "a message was delivered twice"
     assert set(keys) == {(w, i) for w in range(producers + 1) for i in range(n)}
     assert all(ok for *_, ok in got)
+
+
+# -- a full channel, malformed records and datagrams ----------------------------------------
+
+def test_a_full_channel_refuses_a_long_body_before_copying_it(chan, monkeypatch):
+    """The feeder tries a full channel again and again: each try must not copy the body."""
+    for i in range(chan.ring.capacity):
+        chan.send(b"x%d" % i)
+    copies = []
+    monkeypatch.setattr(_channel, "_memfd_of", lambda data: copies.append(1) or memfd_of(data))
+    for _ in range(3):
+        with pytest.raises(queue.Full):
+            chan.send(bytes(SIDE_MAX + 1), block=False)
+    assert not copies, "a body was copied into a memfd for a send that could not happen"
+    for i in range(chan.ring.capacity):
+        assert receive_closed(chan) == b"x%d" % i
+
+
+@pytest.mark.parametrize("record", [b"", b"S", b"B1234"], ids=["empty", "kind", "short tag"])
+def test_a_record_too_short_for_its_kind_is_lost_once(chan, record):
+    chan.ring.put(record)  # not a writer of this channel: as a buggy or hostile peer would
+    chan.send(b"after")
+    with pytest.raises(Lost):
+        receive(chan)
+    assert receive(chan) == (b"after", [])
+
+
+def test_a_datagram_numbered_past_its_record_is_dropped_and_the_record_read(chan):
+    """Junk on the side socket (numbered far ahead, with an fd) is closed, and the side
+    messages after it arrive."""
+    r, w = os.pipe()
+    try:
+        chan._side_w.sendmsg([_channel._HEAD.pack(1 << 40, 7)],
+                             [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", w))])
+        os.close(w)
+        w = -1
+        body = bytes(range(256)) * 20  # longer than a record: a side datagram
+        chan.send(body)
+        chan.send(body[::-1])
+        assert receive(chan) == (body, [])
+        assert receive(chan) == (body[::-1], [])
+        assert os.read(r, 1) == b""  # the junk's fd was closed: EOF on the pipe
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
