@@ -270,18 +270,21 @@ class Channel:
         record whose datagram a reader took and never finished with (killed, or
         interrupted in another process) finds it gone without reading a later record's
         datagram: a dead frame."""
-        # began[0]: the number + 1 of the last record whose datagram a reader began to take
+        # began[0]: the number + 1 of the last record whose datagram a reader began to
+        # take; began[1]: that reader's pid
         raw, sock, began = self._raw, self._side_r, cast(memoryview, self.ring.user)
         mine = False
         while True:
             if not raw:
                 if not mine:
-                    # a reader began to take this record's datagram and did not finish
-                    # (killed, or another process's receive cut short): gone, and any
-                    # later datagram stays in the socket for its own record's reader
-                    if began[0] > number:
+                    # a reader of another process began to take this record's datagram
+                    # and did not finish (killed, or its receive cut short): gone, and
+                    # any later datagram stays in the socket for its own record's reader.
+                    # This process's own note, with nothing in _raw, is a receive cut
+                    # short before its read (the read and its record are one step)
+                    if began[0] > number and began[1] != self._pid:
                         return _lost(), []
-                    began[0] = number + 1; mine = True  # noqa: E702 (one step)
+                    began[1] = self._pid; began[0] = number + 1; mine = True  # noqa: E702
                 try:
                     raw.extend(starmap(sock.recvmsg, ((_DATAGRAM_MAX, _ANC, _TAKE),)))
                 except BlockingIOError:

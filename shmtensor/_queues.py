@@ -310,11 +310,14 @@ class _ShmQueue(_QueueBase):
                 raise
             _count(frame, self._sem)
             return chan.take(_reductions.loads, held)  # lets go of the turn as it hands over
+        except BaseException:
+            # not in finally: after a take, no call may come before the return (a signal
+            # handler runs at a call's entry or return, and its exception would lose what
+            # take returned)
+            chan.disown()
+            raise
         finally:
-            try:
-                chan.disown()
-            finally:
-                if held and held[0]: chan.turn.release()  # noqa: E701 (first call of its line)
+            if held and held[0]: chan.turn.release()  # noqa: E701 (first call of its line)
 
     async def get_async(self, block: bool = True, timeout: float | None = None) -> Any:
         """:meth:`get`, awaited: tries the channel on a timer (1 to 50 ms: a ring has no fd
