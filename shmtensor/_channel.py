@@ -144,12 +144,12 @@ class Channel:
         if not fds and len(data) < ring.payload_max:
             ring.put(_INLINE + data, block, timeout)
             return
-        if not block and ring.full():
-            raise queue.Full  # before a long body is copied into a memfd for nothing
         deadline = None if not block or timeout is None else time.monotonic() + timeout
         big = len(data) > SIDE_MAX
         body: list[int] = []
         if big:
+            if not block and ring.full():
+                raise queue.Full  # before the body is copied into a memfd for nothing
             body.append(_memfd_of(data))
         tag = _new_tag()
         try:
