@@ -177,7 +177,6 @@ class _ShmQueue(_QueueBase):
 
     def _reset(self, after_fork: bool = False) -> None:
         super()._reset(after_fork)
-        self._turn = _read_turn()  # this process's side of the read lock
         self._unsent = [0]     # frames given to the feeder and not yet sent (under _notempty)
         self._sending = _Sending()
         # get_async's awaiters of each event loop, in line (see get_async)
@@ -263,16 +262,15 @@ class _ShmQueue(_QueueBase):
         self._help_send()
 
     def _help_send(self) -> None:
-        """Send what the feeder has not sent yet, in order, as far as the socket takes it
+        """Send what the feeder has not sent yet, in order, as far as the channel takes it
         now.  A producer that puts faster than its reader reads would otherwise leave the
         sending to a thread that gets the GIL only when this one lets go (every switch
         interval), and starve its reader meanwhile.  Waiting for the feeder's turn lets it
-        run too.  Never waits for the reader: the feeder's turn is waited for only while
-        the feeder is not in a blocking send (and at most ``_Sending.WAIT``), the write
-        lock is only tried, and a frame the socket does not take (full, too large, or an
-        error) is left to the feeder, which reports errors as the stdlib's does."""
+        run too.  Never waits for the reader: the feeder's turn is waited for at most
+        ``_Sending.WAIT``, and a frame the channel does not take now (full, too large, or
+        an error) is left to the feeder, which reports errors as the stdlib's does."""
         sending, buffer = self._sending, self._buffer
-        if not buffer or sending.blocking or not sending.lock.acquire(True, sending.WAIT):
+        if not buffer or not sending.lock.acquire(True, sending.WAIT):
             return
         try:
             while buffer:
@@ -407,8 +405,7 @@ class _ShmQueue(_QueueBase):
         self._buffer.clear()
         self._thread = threading.Thread(
             target=type(self)._feed,
-            args=(self._buffer, self._notempty, self._writer, self._wlock,
-                  self._reader.close, self._writer.close, self._ignore_epipe,
+            args=(self._buffer, self._notempty, self._reader.close, self._writer.close, self._ignore_epipe,
                   self._on_queue_feeder_error, self._sem, self._unsent,
                   self._failures if self._raise_later else None, self._sending,
                   self._chan),
@@ -426,8 +423,8 @@ class _ShmQueue(_QueueBase):
                                [self._buffer, self._notempty], exitpriority=10)
 
     @staticmethod
-    def _feed(buffer: collections.deque[Any], notempty: threading.Condition, writer: Connection,
-              writelock: Lock | None, reader_close: Callable[[], None],
+    def _feed(buffer: collections.deque[Any], notempty: threading.Condition,
+              reader_close: Callable[[], None],
               writer_close: Callable[[], None], ignore_epipe: bool,
               onerror: Callable[[BaseException, object], None], queue_sem: BoundedSemaphore,
               unsent: list[int], failures: list[BaseException] | None,
@@ -583,15 +580,14 @@ def _read_locked(reader: Connection, rlock: Lock, turn: ReadTurn,
 @final
 class _Sending:
     """Who takes frames off a queue's buffer to send them: the feeder, or a put helping
-    it (``lock``); ``blocking`` while the feeder is in a send that waits for the reader."""
+    it (``lock``)."""
 
-    __slots__ = ("lock", "blocking")
+    __slots__ = ("lock",)
 
     WAIT = 0.005  # seconds a put waits for the feeder's turn
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.blocking = False
 
 
 def _try_send(item: Frame, chan: Channel) -> bool:

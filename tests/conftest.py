@@ -1,4 +1,7 @@
+import gc
+import multiprocessing
 import os
+import time
 
 import pytest
 
@@ -24,6 +27,33 @@ def lc():
     """Every test that starts processes runs under the leak checker."""
     with leak_checker(timeout=15) as checker:
         yield checker
+
+
+def open_fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+def _target(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "?"
+
+
+@pytest.fixture
+def no_leaks():
+    """The test leaves no child process and no fd of this process open (without the leak
+    checker's process tree: for tests of one mechanism's fds)."""
+    before = open_fds()
+    yield
+    assert not multiprocessing.active_children()
+    gc.collect()  # a finished child's sentinel closes with its Process object
+    # another thread of the suite (a sweeper, a janitor) may hold an fd for a moment:
+    # only an fd still open after a short while is this test's
+    deadline = time.monotonic() + 2
+    while (left := open_fds() - before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not left, f"fds left open: {[(fd, _target(fd)) for fd in sorted(left)]}"
 
 
 def join_all(*procs, timeout=JOIN):

@@ -11,7 +11,6 @@ fds."""
 from __future__ import annotations
 
 import errno
-import gc
 import inspect
 import multiprocessing
 import os
@@ -35,38 +34,13 @@ from shmtensor._channel import SIDE_MAX, Channel, Lost
 from shmtensor.ipc import ring as ringmod
 
 import channel_helpers
-from conftest import join_all
+from conftest import join_all, open_fds as fds
 
 pytestmark = pytest.mark.skipif(not ringmod.HAVE_RING, reason="needs memfd, OFD locks, futex")
 
 ctx = multiprocessing.get_context("fork")
 JOIN = 30  # seconds: only reached when something is wedged
 RECORD = 64  # record size of the channels made here: 48 bytes of message inline
-
-
-def fds() -> set[int]:
-    return {int(fd) for fd in os.listdir("/proc/self/fd")}
-
-
-@pytest.fixture
-def no_leaks():
-    before = fds()
-    yield
-    assert not multiprocessing.active_children()
-    gc.collect()  # a finished child's sentinel closes with its Process object
-    # another thread of the suite (a sweeper, a janitor) may hold an fd for a moment:
-    # only an fd still open after a short while is this test's
-    deadline = time.monotonic() + 2
-    while (left := fds() - before) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not left, f"fds left open: {[(fd, _target(fd)) for fd in sorted(left)]}"
-
-
-def _target(fd: int) -> str:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return "?"
 
 
 @pytest.fixture

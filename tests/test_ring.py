@@ -53,19 +53,6 @@ def check(data: bytes) -> tuple[int, int]:
     return wid, seq
 
 
-def fds() -> set[int]:
-    return {int(fd) for fd in os.listdir("/proc/self/fd")}
-
-
-@pytest.fixture
-def no_leaks():
-    before = fds()
-    yield
-    assert not multiprocessing.active_children()
-    left = fds() - before
-    assert not left, f"fds left open: {sorted(left)}"
-
-
 def join(procs, timeout=JOIN, codes=(0,)):
     deadline = time.monotonic() + timeout
     for p in procs:
