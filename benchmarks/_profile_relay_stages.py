@@ -22,7 +22,7 @@ TIMED = [("shmtensor._reductions", "dumps"), ("shmtensor._reductions", "loads"),
          ("shmtensor.cuda._vmm", "lane_loads"), ("shmtensor.cuda._events", "order"),
          ("shmtensor.cuda._events", "order_now"), ("shmtensor.cuda._events", "stream_wait"),
          ("shmtensor.ipc.ofd_lease", "inflight_fd"), ("shmtensor.ipc.ofd_lease", "hold"),
-         ("shmtensor.ipc.ofd_lease", "hold_sole"), ("shmtensor.ipc.scm_rights", "try_send_frame"),
+         ("shmtensor.ipc.scm_rights", "try_send_frame"),
          ("shmtensor.cuda._release", "poll"), ("shmtensor.cuda._release", "drain"),
          ("shmtensor.cuda._vmm", "malloc")]
 

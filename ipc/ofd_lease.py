@@ -53,11 +53,11 @@ from .scm_rights import close_fds
 
 _consume = deque[object](maxlen=0).extend  # runs an iterator out, in C
 
-__all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "hold_sole",
-           "lock_shared", "establish", "release", "release_many", "inflight_fd", "sendable",
-           "kept_budget", "holdings_kept", "probe_held", "forget_idle", "shed_kept",
-           "retry_after_shedding", "own_fds", "table_count", "before_fork",
-           "after_fork_in_parent", "after_fork_in_child"]
+__all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "lock_shared",
+           "establish", "release", "release_many", "inflight_fd", "sendable", "kept_budget",
+           "holdings_kept", "probe_held", "forget_idle", "shed_kept", "retry_after_shedding",
+           "own_fds", "table_count", "before_fork", "after_fork_in_parent",
+           "after_fork_in_child"]
 
 HAVE_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")
 _SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
@@ -472,12 +472,6 @@ def establish(table_id: str, slot: int, inflight: int | list[int], sole: bool,
                 _setlk(h.fds[slot % SHARDS], fcntl.F_UNLCK, slot)
             return False
         return keep
-
-
-def hold_sole(table_id: str, slot: int, inflight: int) -> bool:
-    """:func:`hold` by ``inflight``, a loaded message's in-flight description covering
-    ``slot`` alone: True when it became the hold (the caller must then not close it)."""
-    return hold(table_id, slot, [inflight])
 
 
 def _make_real(h: _Holding, slot: int, inflight: int | list[int], sole: bool, budget: int,

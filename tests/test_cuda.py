@@ -616,13 +616,13 @@ def test_vmm_a_mapping_is_pinned_while_a_message_is_built_on_it(cp, ctx, lc, mon
     q, e = ctx.Queue(), ctx.Event()
     p = ctx.Process(target=ch.send_one_shared, args=(q, e))
     p.start()
-    real = ofd_lease.hold_sole
+    real = ofd_lease.hold
 
-    def evicting(*args):
+    def evicting(*args, **kwargs):
         _vmm._evict(0, 0)  # what another thread's drain may do meanwhile
-        return real(*args)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(ofd_lease, "hold_sole", evicting)
+    monkeypatch.setattr(ofd_lease, "hold", evicting)
     a = q.get(timeout=JOIN)
     monkeypatch.undo()
     assert shmtensor.debug_info()["cuda_vmm_mapped"] == 1  # the new mapping stayed

@@ -28,6 +28,7 @@ across a driver call.
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 import pickle
 import threading
@@ -263,7 +264,7 @@ def _use_died(r: UseRef) -> None:
     _release.enqueue(*r.args)  # a finalizer: enqueues, takes no lock
 
 
-def _use_of(m: _Mapping, table_id: str, slot: int, take: Callable[[], None]) -> _Use:
+def _use_of(m: _Mapping, table_id: str, slot: int, take: Callable[[], object]) -> _Use:
     """The use of chunk ``slot`` of ``m``, made if none is alive and then holding the lease
     by ``take()``; caller holds the mappings' lock."""
     key = (table_id, slot)
@@ -326,7 +327,7 @@ def _export(cp: Any, arr: Any, device: int) -> tuple[_Lease, _Token]:
             ex = x.find(device, key[1])
             if ex is not None:
                 lease = x.lease(ex, key, mem)
-        token = _attach(lease) if lease is not None else None
+        token = _token_of(lease) if lease is not None else None
     if lease is None:
         # driver calls, outside the lock and under the device's context (this thread may
         # never have made a CUDA call): an allocation sent before and still the same (a
@@ -348,7 +349,7 @@ def _export(cp: Any, arr: Any, device: int) -> tuple[_Lease, _Token]:
             else:
                 ex = found
             lease = x.leases.get(key) or x.lease(cast(_Export, ex), key, mem)
-            token = _attach(lease)
+            token = _token_of(lease)
         if fresh and size < ARENA:
             _seed(mem)
     with x.lock:  # give back the oldest that nobody holds (this one is unsent: kept)
@@ -372,7 +373,7 @@ def _seed(mem: Any) -> None:
         pass
 
 
-def _attach(lease: _Lease) -> _Token:
+def _token_of(lease: _Lease) -> _Token:
     """The token the message must keep (caller holds the lock)."""
     token = lease.token() if lease.token is not None else None
     if token is None:
@@ -393,26 +394,50 @@ def _rebuild_cupy_array(handle: bytes, bus_id: str, size: int, offset: int,
                         table_id: str, slot: int, lock_i: int, event_handle: bytes | None
                         ) -> Any:
     cp = _device.cupy()
-    _release.poll()
     lease_fd, deferred = _wire.received_lease(table_id, slot, lock_i)
+    return _attach(cp, handle, bus_id, size, offset, shape, strides, dtype, table_id, slot,
+                   lease_fd, deferred, event_handle)
+
+
+def _attach(cp: Any, handle: bytes, bus_id: str, size: int, offset: int,
+            shape: tuple[int, ...], strides: tuple[int, ...] | None, dtype: str,
+            table_id: str, slot: int, lease: int | list[int], deferred: _wire.Deferred | None,
+            event_handle: bytes | None) -> Any:
+    """The one receive of an array on legacy IPC (a pickled message's and a lane's): its
+    chunk's own memory back in the process that exported it, else the array at ``offset``
+    of the mapping of ``handle``, owned by the use of chunk ``slot`` (made, and holding the
+    chunk, if none is alive), after the current stream waits for the sender's work.
+
+    ``lease`` and ``deferred`` are ``ofd_lease.hold``'s ``source`` and ``deferred``: the
+    in-flight description of a pickled message, with ``deferred``, or a one-array message's
+    fd list, that description last (kept as the hold, it leaves the list in the same step:
+    the caller closes what is left)."""
+    _release.poll()
     device = _device.local_device(cp, bus_id)
     home = _home(cp, table_id, slot, offset, shape, dtype, strides)
     if home is not None:
         return home
-
-    def take() -> None:
-        ofd_lease.hold(table_id, slot, lease_fd, deferred)
-
+    take = functools.partial(ofd_lease.hold, table_id, slot, lease, deferred)
     if cp.cuda.runtime.getDevice() == device:
         mem = _mapped(cp, device, handle, bus_id, size, table_id, slot, take)
         if event_handle is not None:
-            _events.wait(cp, event_handle)
+            _wait(cp, event_handle, deferred)
     else:
         with cp.cuda.Device(device):
             mem = _mapped(cp, device, handle, bus_id, size, table_id, slot, take)
             if event_handle is not None:
-                _events.wait(cp, event_handle)
+                _wait(cp, event_handle, deferred)
     return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
+
+
+def _wait(cp: Any, event_handle: bytes, deferred: _wire.Deferred | None) -> None:
+    """Make the current stream wait for the sender's ring event: once per message and stream
+    (a pickled message's arrays, ``deferred`` given, share it), or at once (a one-array
+    message, whose only wait this is)."""
+    if deferred is None:
+        _events.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
+    else:
+        _events.wait(cp, event_handle)
 
 
 def _home(cp: Any, table_id: str, slot: int, offset: int, shape: tuple[int, ...],
@@ -430,7 +455,7 @@ def _home(cp: Any, table_id: str, slot: int, offset: int, shape: tuple[int, ...]
 
 
 def _mapped(cp: Any, device: int, handle: bytes, bus_id: str, size: int, table_id: str,
-            slot: int, take: Callable[[], None]) -> Any:
+            slot: int, take: Callable[[], object]) -> Any:
     """Memory over the mapping of ``handle`` (opened, or taken back from the closer), owned
     by the use of its chunk ``slot`` (made, and holding the lease by ``take()``, if none is
     alive); ``device`` is current."""
@@ -491,31 +516,14 @@ def lane_dumps(cp: Any, arr: Any, mem: Any, owner: object
 
 
 def lane_loads(data: _wire.Payload, fds: list[int]) -> Any:
-    """The array of a :func:`lane_dumps` message; closes every fd it does not keep."""
+    """The array of a :func:`lane_dumps` message; closes every fd it does not keep.  Its
+    one fd is the in-flight description covering this one chunk: the list itself is the
+    lease (:func:`_attach`), so nothing is deferred."""
     try:
         (handle, bus_id, size, offset, shape, strides, dtype, table_id, slot,
          event_handle) = _wire.lane_fields(data, fds, 1, "a CUDA IPC array")
-        cp = _device.cupy()
-        _release.poll()
-        device = _device.local_device(cp, bus_id)
-        home = _home(cp, table_id, slot, offset, shape, dtype, strides)
-        if home is not None:
-            return home
-
-        def take() -> None:
-            if ofd_lease.hold_sole(table_id, slot, fds[0]):
-                fds[0] = -1  # the message's description is the hold now
-
-        if cp.cuda.runtime.getDevice() == device:
-            mem = _mapped(cp, device, handle, bus_id, size, table_id, slot, take)
-            if event_handle is not None:
-                _events.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
-        else:
-            with cp.cuda.Device(device):
-                mem = _mapped(cp, device, handle, bus_id, size, table_id, slot, take)
-                if event_handle is not None:
-                    _events.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
-        return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
+        return _attach(_device.cupy(), handle, bus_id, size, offset, shape, strides, dtype,
+                       table_id, slot, fds, None, event_handle)
     finally:
         close_fds(fds)
 

@@ -303,20 +303,18 @@ def reduce_array(cp: Any, arr: Any, mem: Any, owner: _Block | _VUse
                             arr.shape, arr.strides, arr.dtype.str, table_id, slot, lock_i, ev)
 
 
-def _mapping(key: str, bus_id: str, size: int, fd: int) -> tuple[_Mapped, bool]:
-    """The slab ``key`` in this process: its own, or mapped from ``fd`` (a message's copy of
-    the slab's fd); True when ``fd`` was kept for the mapping (caller holds ``_lock``).
-
-    Another process's slab comes back *pinned* (one more user): the caller unpins it with
-    :func:`_unpin` once a use counts: the pin keeps it from being evicted as idle before."""
-    s = _slabs.get(key)
-    if s is not None:  # back where it was made: this process's own mapping
-        return s, False
+def _mapping(key: str, bus_id: str, size: int, fds: list[int], i: int) -> _SlabMap:
+    """Another process's slab ``key`` in this process, *pinned* (one more user, which the
+    caller's use takes over or gives back: the pin keeps it from being evicted as idle
+    before a use counts): found, or mapped from ``fds[i]`` (a message's copy of the slab's
+    fd), which the mapping keeps and which leaves the list in the same step (caller holds
+    ``_lock``)."""
     m = _maps.get(key)
     if m is not None:  # its place in the LRU order is set when it falls idle
         m.users += 1
-        return m, False
+        return m
     device = _device.local_device(_device.cupy(), bus_id)
+    fd = fds[i]
     handle = cuda_vmm.import_fd(device, fd)
     try:
         ptr = cuda_vmm.map_handle(device, handle, size)
@@ -326,36 +324,9 @@ def _mapping(key: str, bus_id: str, size: int, fd: int) -> tuple[_Mapped, bool]:
     m.key, m.device, m.bus_id, m.ptr, m.size, m.fd = key, device, bus_id, ptr, size, fd
     m.users = 1  # pinned
     m.done = functools.partial(_map_released, m)  # a use's release calls it
-    _maps[key] = m
-    return m, True
-
-
-def _unpin(s: _Mapped) -> None:
-    """Undo :func:`_mapping`'s pin (caller holds ``_lock``); eviction comes later, if due."""
-    if type(s) is _SlabMap:
-        s.users -= 1
-
-
-def _use(s: _Mapped, table_id: str, slot: int, lease_fd: int,
-         deferred: _wire.Deferred | None) -> tuple["_VUse", bool]:
-    """A new owner of arrays on block ``slot`` of slab ``s`` (caller holds ``_lock``), and
-    whether ``lease_fd`` was kept as the block's hold.  It holds the block once more:
-    ``ofd_lease.hold`` with ``deferred``, or, when ``deferred`` is None (a loaded one-array
-    message), ``ofd_lease.hold_sole``.  Holds are counted, so two messages carrying one
-    block give two uses and each lets go on its own."""
-    if deferred is None:
-        kept = ofd_lease.hold_sole(table_id, slot, lease_fd)
-    else:
-        ofd_lease.hold(table_id, slot, lease_fd, deferred)
-        kept = False
-    use = _VUse()
-    use.slab, use.table_id, use.slot = s, table_id, slot
-    if type(s) is _SlabMap:
-        s.users += 1
-        use.done = s.done
-    else:
-        use.done = None
-    return use, kept
+    # one line of stores, no call: kept by the mapping and out of the message's list
+    _maps[key] = m; fds[i] = -1  # noqa: E702
+    return m
 
 
 # dtype.str -> numpy dtype: CuPy takes a dtype faster than a string
@@ -368,11 +339,67 @@ def _numpy_dtype(dtype: str) -> numpy.dtype[Any]:
     return numpy.dtype(dtype)
 
 
-def _array(cp: Any, s: _Mapped, use: "_VUse", offset: int, shape: tuple[int, ...],
-           strides: tuple[int, ...] | None, dtype: str) -> Any:
+def _attach(cp: Any, key: str, bus_id: str, size: int, fds: list[int], fd_i: int,
+            offset: int, shape: tuple[int, ...], strides: tuple[int, ...] | None, dtype: str,
+            table_id: str, slot: int, lease: int | list[int], deferred: _wire.Deferred | None,
+            event_handle: bytes | None) -> Any:
+    """The one receive of an array on a VMM slab (a pickled message's and a lane's): the
+    slab ``key`` here (this process's own, or another's, mapped from ``fds[fd_i]`` if it is
+    not yet), a new use of its block ``slot`` that holds the block once more, and the array
+    at ``offset`` on it, after the current stream waits for the sender's work.
+
+    ``lease`` and ``deferred`` are ``ofd_lease.hold``'s ``source`` and ``deferred``: the
+    in-flight description of a pickled message, with ``deferred``, or a one-array message's
+    fd list, that description last (it becomes the hold at once).  What is kept (the slab's
+    fd, the description) leaves ``fds`` in the step that takes it: the caller closes what is
+    left, however this ends.  Holds are counted, so two messages carrying one block give
+    two uses and each lets go on its own.  Written for the cost of each call: it runs once
+    per message of a queue of GPU arrays."""
+    _release.poll()
+    _release.ensure_releaser()
+    done: Callable[[int], None] | None
+    with _lock:
+        s: _Mapped | None = _slabs.get(key)
+        if s is None:  # another process's slab: mapped, and pinned, which is the use's count
+            m = _mapping(key, bus_id, size, fds, fd_i)
+            try:
+                ofd_lease.hold(table_id, slot, lease, deferred)
+            except BaseException:
+                m.users -= 1
+                raise
+            s, done = m, m.done
+        else:  # back where it was made
+            ofd_lease.hold(table_id, slot, lease, deferred)
+            done = None
+        use = _VUse()  # owns the hold (and the pin) from here on
+        use.slab, use.table_id, use.slot, use.done = s, table_id, slot, done
     dt = _dtypes.get(dtype)
     if dt is None:
         dt = _dtypes[dtype] = _numpy_dtype(dtype)
+    device = s.device
+    if cp.cuda.runtime.getDevice() != device:
+        with cp.cuda.Device(device):
+            return _array(cp, s, use, offset, shape, strides, dt, event_handle, deferred)
+    if event_handle is not None:
+        if deferred is None:  # one array: its message waits on this event once anyway
+            _events.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
+        else:
+            _events.wait(cp, event_handle)
+    ptr = cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(s.ptr, s.size, use, device), offset)
+    if strides is None:
+        return cp.ndarray(shape, dt, ptr)
+    return cp.ndarray(shape, dt, ptr, strides)
+
+
+def _array(cp: Any, s: _Mapped, use: _VUse, offset: int, shape: tuple[int, ...],
+           strides: tuple[int, ...] | None, dt: numpy.dtype[Any], event_handle: bytes | None,
+           deferred: _wire.Deferred | None) -> Any:
+    """:func:`_attach`'s wait and array with ``s``'s device current, when it was not."""
+    if event_handle is not None:
+        if deferred is None:
+            _events.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
+        else:
+            _events.wait(cp, event_handle)
     mem = cp.cuda.UnownedMemory(s.ptr, s.size, use, s.device)
     if strides is None:
         return cp.ndarray(shape, dt, cp.cuda.MemoryPointer(mem, offset))
@@ -383,25 +410,9 @@ def _rebuild_array(key: str, bus_id: str, size: int, fd_i: int, offset: int,
                    shape: tuple[int, ...], strides: tuple[int, ...], dtype: str, table_id: str,
                    slot: int, lock_i: int, event_handle: bytes | None) -> Any:
     cp = _device.cupy()
-    _release.poll()
-    _release.ensure_releaser()
     lease_fd, deferred = _wire.received_lease(table_id, slot, lock_i)
-    with _lock:
-        s, took = _mapping(key, bus_id, size, _wire.received_fd(fd_i))
-        try:
-            if took:
-                _wire.take_received_fd(fd_i)
-            use, _ = _use(s, table_id, slot, lease_fd, deferred)
-        finally:
-            _unpin(s)  # the use counts as a user now
-    if cp.cuda.runtime.getDevice() == s.device:
-        if event_handle is not None:
-            _events.wait(cp, event_handle)
-        return _array(cp, s, use, offset, shape, strides, dtype)
-    with cp.cuda.Device(s.device):
-        if event_handle is not None:
-            _events.wait(cp, event_handle)
-        return _array(cp, s, use, offset, shape, strides, dtype)
+    return _attach(cp, key, bus_id, size, _wire.received_fds(), fd_i, offset, shape, strides,
+                   dtype, table_id, slot, lease_fd, deferred, event_handle)
 
 
 # A message that is one array on shared memory, the common case of a queue of arrays, goes
@@ -444,50 +455,14 @@ def lane_dumps(cp: Any, arr: Any, mem: Any, owner: _Block | _VUse
 
 
 def lane_loads(data: _wire.Payload, fds: list[int]) -> Any:
-    """The array of a :func:`lane_dumps` message; closes every fd it does not keep.
-
-    :func:`_mapping`, :func:`_use` and :func:`_array` in one function: this runs once per
-    message of the common case, and each call saved is a fraction of a microsecond."""
+    """The array of a :func:`lane_dumps` message; closes every fd it does not keep.  Its
+    fds are the slab's, then the in-flight description covering this one block: the list
+    itself is the lease (:func:`_attach`), so nothing is deferred."""
     try:
         (key, bus_id, size, offset, shape, strides, dtype, table_id, slot,
          event_handle) = _wire.lane_fields(data, fds, 2, "a shared CUDA array")
-        cp = _device.cupy()
-        _release.poll()
-        _release.ensure_releaser()
-        with _lock:
-            s: _Mapped | None = _slabs.get(key)
-            if s is None:  # another process's slab: mapped, and pinned, which is the use's count
-                s, took = _mapping(key, bus_id, size, fds[0])
-                if took:
-                    fds[0] = -1
-                try:
-                    kept = ofd_lease.hold_sole(table_id, slot, fds[1])
-                except BaseException:
-                    s.users -= 1  # type: ignore[attr-defined]  # not own: a _SlabMap
-                    raise
-                done = s.done  # type: ignore[attr-defined]  # not own: a _SlabMap
-            else:  # back where it was made
-                kept = ofd_lease.hold_sole(table_id, slot, fds[1])
-                done = None
-            if kept:
-                fds[1] = -1  # the message's description is the hold now
-            use = _VUse()  # owns the hold (and the pin) from here on
-            use.slab, use.table_id, use.slot, use.done = s, table_id, slot, done
-        dt = _dtypes.get(dtype)
-        if dt is None:
-            dt = _dtypes[dtype] = _numpy_dtype(dtype)
-        device = s.device
-        if cp.cuda.runtime.getDevice() != device:
-            with cp.cuda.Device(device):
-                if event_handle is not None:
-                    _events.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
-                return _array(cp, s, use, offset, shape, strides, dtype)
-        if event_handle is not None:
-            _events.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
-        ptr = cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(s.ptr, s.size, use, device), offset)
-        if strides is None:
-            return cp.ndarray(shape, dt, ptr)
-        return cp.ndarray(shape, dt, ptr, strides)
+        return _attach(_device.cupy(), key, bus_id, size, fds, 0, offset, shape, strides,
+                       dtype, table_id, slot, fds, None, event_handle)
     finally:
         close_fds(fds)
 
