@@ -112,7 +112,7 @@ def test_a_message_owns_the_hold_it_travels_with_when_the_holder_lets_go():
     table = ofd_lease.own_table()
     slot = table.new_slot()
     back = ofd_lease.inflight_fd(table.id, [slot])  # as a message sending it home brings
-    assert ofd_lease.hold_sole(table.id, slot, back)  # the receipt's hold is that description
+    assert ofd_lease.hold(table.id, slot, [back])  # the receipt's hold is that description
     ctx = _wire.LaneContext(object(), None, table.id, slot)
     ctx.wire_fds()  # worked out before the send (a full socket, the feeder's buffer)
     ofd_lease.release(table.id, slot)  # the receipt dies first: its description is closed
