@@ -15,6 +15,13 @@ What a receive takes is kept here, per process, until it is handed over
 leaves the message for this process's next receive, as ``scm_rights.FrameReader`` does for
 the socket channels.  A record the ring offers again after such an exception (its ``head``
 had not moved) is recognised by its number and not taken twice.
+
+A channel can be waited on through an fd (:meth:`Channel.wait_fd`, which
+``multiprocessing.connection.wait`` reaches through a SimpleQueue's ``_reader``): from the
+first such wait on, a *waitable* channel's writers send each record that has no datagram a
+*tick* (a datagram of the record's number and tag 0, no body) under the writers' lock,
+before the record, and its reader takes the tick with the record, so the side socket is
+readable exactly while a record waits.  Until then no record costs a syscall.
 """
 
 from __future__ import annotations
@@ -50,6 +57,10 @@ _TAKE = socket.MSG_DONTWAIT | getattr(socket, "MSG_CMSG_CLOEXEC", 0)
 _TRUNC = int(socket.MSG_TRUNC)
 CAPACITY = 1024
 RECORD = 1280  # a 1 KiB array and its pickle fit a record
+# The ring's user word of a waitable channel that says whether writers tick: 0 no, TICKING
+# since a wait set it, SYNCED once every write begun before that is whole (see wait_fd)
+_WAITED, _TICKING, _SYNCED = 2, 1, 2
+_SYNC_WAIT = 1.0  # seconds a wait_fd waits for the writers' lock (a writer may wait for room)
 
 
 # A side message's tag: this process's pid and a count, so a datagram whose writer died
@@ -72,14 +83,17 @@ class Lost(OSError):
 class Channel:
     """One channel's ends in this process: ``send`` and ``receive`` of (bytes, fds)."""
 
-    __slots__ = ("ring", "turn", "_side_r", "_side_w", "_taken", "_last", "_raw", "_made",
-                 "_handing", "_pid", "_spent", "_close", "__weakref__")
+    __slots__ = ("ring", "turn", "waitable", "_side_r", "_side_w", "_taken", "_last", "_raw",
+                 "_made", "_handing", "_pid", "_spent", "_close", "__weakref__")
 
     def __init__(self, ring: Ring, side_r: socket.socket, side_w: socket.socket) -> None:
         self.ring, self._side_r, self._side_w = ring, side_r, side_w
         # the ring's fds close with the channel (its sockets are its owner's to close)
         self._close = weakref.finalize(self, ring.close)
         self._close.atexit = False  # a daemon feeder may still be sending at exit
+        # whether records tick once someone waits on the fd (see wait_fd): set by the
+        # owner in every process that has the channel (a SimpleQueue's are; a Queue's not)
+        self.waitable = False
         self._reset()
 
     @classmethod
@@ -142,7 +156,10 @@ class Channel:
         if self._side_r.fileno() < 0 and self.readers_gone():
             raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))  # described by the caller
         if not fds and len(data) < ring.payload_max:
-            ring.put(_INLINE + data, block, timeout)
+            if self.waitable:
+                ring.put(_INLINE + data, block, timeout, hook=self._ticker(block, timeout))
+            else:
+                ring.put(_INLINE + data, block, timeout)
             return
         deadline = None if not block or timeout is None else time.monotonic() + timeout
         big = len(data) > SIDE_MAX
@@ -159,6 +176,17 @@ class Channel:
             ring.put((_BIG if big else _SIDE) + _TAG.pack(tag), block, timeout, hook=side)
         finally:
             scm_rights.close_fds(body)
+
+    def _ticker(self, block: bool, timeout: float | None) -> Callable[[int], None]:
+        """The put hook of a record with no datagram on a waitable channel: under the
+        writers' lock, it sends the record's tick if someone waits on the fd."""
+        deadline = None if not block or timeout is None else time.monotonic() + timeout
+        user = cast(memoryview, self.ring.user)
+
+        def tick(number: int) -> None:
+            if user[_WAITED]:
+                self._send_side(_HEAD.pack(number, 0), b"", [], block, deadline)
+        return tick
 
     def _send_side(self, head: bytes, data: bytes, fds: list[int], block: bool,
                    deadline: float | None) -> None:
@@ -244,6 +272,8 @@ class Channel:
             return  # taken already by this process (an exception before head moved)
         kind = data[:1]
         if kind == _INLINE:
+            if self.waitable and cast(memoryview, self.ring.user)[_WAITED]:
+                self._take_tick(number)
             taken.append((number, scm_rights.Frame(data[1:], [])))
             return
         if len(data) < 1 + _TAG.size:  # malformed (not a writer's of this channel): lost
@@ -259,6 +289,26 @@ class Channel:
         self._spent = spent; self._made = tag; taken.append((number, frame))  # noqa: E702
         self._raw.clear()
         scm_rights.close_fds(spent)
+
+    def _take_tick(self, number: int) -> None:
+        """Take record ``number``'s tick off the side socket, if it has one (it was
+        written after the first wait_fd): the datagram at the front, looked at first.
+        Orphans on the way (numbered below, or a side record's at this number) are
+        closed; a later record's datagram is left."""
+        sock = self._side_r
+        while True:
+            try:
+                head = sock.recv(_HEAD.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return  # no tick: written before anyone waited
+            got, tag = _HEAD.unpack(head) if len(head) == _HEAD.size else (-1, -1)
+            if got > number:
+                return  # a later record's
+            raw = [sock.recvmsg(_DATAGRAM_MAX, _ANC, _TAKE)]
+            fds, _ = scm_rights._collect(raw)
+            scm_rights.close_fds(fds)
+            if got == number and tag == 0:
+                return
 
     def _side_frame(self, number: int, big: bool,
                     tag: int) -> tuple[scm_rights.Frame, list[int]]:
@@ -321,6 +371,35 @@ class Channel:
 
     def empty(self) -> bool:
         return not self._taken and self.ring.empty()
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        """Whether a message waits for this process, after waiting up to ``timeout``
+        seconds (None: until one comes) for one, without taking it."""
+        if self._pid != os.getpid():
+            self._forked()
+        return bool(self._taken) or self.ring.poll(timeout)
+
+    def wait_fd(self) -> int:
+        """An fd that polls readable while a message waits, for one wait: the ring's
+        memfd (always readable) if one waits now, else the side socket, on which each
+        record written from now on sends a tick (a waitable channel's).  The first call
+        turns ticking on for every writer, and makes sure that no write begun before
+        it is still going on (the writers' lock, taken and let go of), so a record
+        written after the look for one has its tick.  A reader that waits for a
+        message on another reader's behalf may be woken for one that reader has just
+        taken, as with a pipe."""
+        ring = self.ring
+        user = cast(memoryview, ring.user)
+        if user[_WAITED] != _SYNCED:
+            user[_WAITED] = _TICKING
+            if not ring.empty():
+                return ring.fd  # ready now; the writers are made sure of by a later wait
+            try:
+                ring.sync_writers(_SYNC_WAIT)
+            except TimeoutError:  # a writer holds the lock: ready, to look again
+                return ring.fd
+            user[_WAITED] = _SYNCED
+        return ring.fd if not self.empty() else self._side_r.fileno()
 
     def _forked(self) -> None:
         """A forked child: the parent's taken frames are the parent's to deliver."""

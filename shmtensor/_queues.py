@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import errno
-import os
 import socket
 import sys
 import threading
@@ -45,16 +44,17 @@ import time
 import weakref
 from collections.abc import Callable
 from itertools import starmap
+from multiprocessing import context
 from multiprocessing import queues as _mpq
 from multiprocessing.util import Finalize, debug, info, is_exiting
 from queue import Empty, Full
-from typing import TYPE_CHECKING, Any, Protocol, final
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, final
 
 from shmtensor.ipc import scm_rights
 
 from . import _reductions
 from ._channel import Channel, Lost
-from ._connection import Connection, Pipe, dumps_to_send, send_error
+from ._connection import Connection, dumps_to_send, send_error
 from ._wire import SendContext
 
 if TYPE_CHECKING:
@@ -86,13 +86,9 @@ if TYPE_CHECKING:
         def _on_queue_feeder_error(e: BaseException, obj: object) -> None: ...
 
     class _SimpleQueueBase(_mpq.SimpleQueue[Any]):
-        """The stdlib SimpleQueue's private members this module uses."""
+        """The stdlib SimpleQueue's private members this module sets."""
 
-        _reader: Connection
         _writer: Connection
-        _rlock: Lock
-        _wlock: Lock | None
-        _poll: Callable[[float | None], bool]
     _StdQueue = _mpq.Queue[Any]
     _StdJoinableQueue = _mpq.JoinableQueue[Any]
 else:  # the stdlib's classes are generic for typing only (subscripted from 3.12 at run time)
@@ -105,6 +101,9 @@ _RING_DEPTH = 256  # records in a queue's ring; beyond, put()s wait in the feede
 # seconds the feeder waits before it tries a full channel again: doubling from the first
 # to the last while the channel stays full (a reader that lags is not polled hard)
 _ROOM_POLL, _ROOM_POLL_MAX = 0.0005, 0.008
+# seconds an awaitable call waits before it tries the ring again: doubling up to the last
+_RETRY_FIRST, _RETRY_MAX = 0.001, 0.05
+_T = TypeVar("_T")
 _sentinel: object = _mpq._sentinel  # type: ignore[attr-defined]  # private: the stdlib's finalizer appends it to stop the feeder
 
 
@@ -150,7 +149,86 @@ class _Joinable(Protocol):
     def __exit__(self, *exc: object) -> None: ...
 
 
-class _ShmQueue(_QueueBase):
+class _OnChannel:
+    """What a queue on a channel (``_chan``) receives with, the same for Queue,
+    JoinableQueue and SimpleQueue: ``get`` (atomic: see Channel.take), ``get_async`` and
+    ``empty``.  A queue says how a get starts (``_check_get``) and what it counts
+    (``_lost``, ``_got``), and keeps ``_awaiting``."""
+
+    _chan: Channel
+    _awaiting: weakref.WeakKeyDictionary[Any, Any]
+
+    def _check_get(self) -> None:
+        """Raise if the queue cannot be read (closed)."""
+
+    def _lost(self) -> None:
+        """A message was lost (``Lost``) on its way to this get."""
+
+    def _got(self, frame: scm_rights.Frame) -> None:
+        """A message was taken off the channel for this get (once per message)."""
+
+    def empty(self) -> bool:
+        return self._chan.empty()
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """The stdlib's, receiving a frame with its fds."""
+        self._check_get()
+        chan = self._chan
+        acquire = chan.turn_args(block, timeout)
+        deadline = None if not block or timeout is None else time.monotonic() + timeout
+        held: list[bool] = []  # this thread's turn to receive (see Channel.turn)
+        try:
+            held.extend(starmap(chan.turn.acquire, (acquire,)))
+            if not held[0]:
+                raise Empty
+            try:
+                frame = chan.receive(block, None if deadline is None
+                                     else max(0.0, deadline - time.monotonic()))
+            except Lost:
+                self._lost()
+                raise
+            self._got(frame)
+            return chan.take(_reductions.loads, held)  # lets go of the turn as it hands over
+        except BaseException:
+            # not in finally: after a take, no call may come before the return (a signal
+            # handler runs at a call's entry or return, and its exception would lose what
+            # take returned)
+            chan.disown()
+            raise
+        finally:
+            if held and held[0]: chan.turn.release()  # noqa: E701 (first call of its line)
+
+    async def get_async(self, block: bool = True, timeout: float | None = None) -> Any:
+        """:meth:`get`, awaited: tries the channel on a timer (1 to 50 ms: a ring has no fd
+        to wait on) in the running event loop instead of blocking it (no thread);
+        ``queue.Empty`` as ``get`` raises it.  Concurrent awaiters of one loop get one
+        message each, in the order they came (they wait in line, and only the first
+        tries).  Cancelling it loses no message: each try is one ``get(False)``, whole or
+        not begun."""
+        import asyncio
+        self._check_get()
+        if not block:
+            return self.get(False)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        line = self._awaiting.get(loop)
+        if line is None:
+            line = self._awaiting[loop] = asyncio.Lock()
+        # awaiters of one loop take messages in the order they came (the lock is FIFO)
+        if deadline is None:
+            await line.acquire()
+        else:
+            try:
+                await asyncio.wait_for(line.acquire(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise Empty from None
+        try:
+            return await _retried(lambda: self.get(False), Empty, deadline)
+        finally:
+            line.release()
+
+
+class _ShmQueue(_OnChannel, _QueueBase):
     # Give _on_queue_feeder_error the object itself (not its pickled bytes) when a send
     # fails: a subclass that must know which object failed sets it (it keeps each queued
     # object alive until sent, as the stdlib's buffer does).
@@ -169,11 +247,17 @@ class _ShmQueue(_QueueBase):
 
     def __setstate__(self, state: Any) -> None:
         super().__setstate__(state[:-1])
-        self._chan = Channel.attach(state[-1], self._reader._sock, self._writer._sock)
-        _spin_as_set(self)
+        self._chan = _attach(state[-1], self._reader, self._writer)
 
-    def empty(self) -> bool:
-        return self._chan.empty()
+    def _check_get(self) -> None:
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+
+    def _lost(self) -> None:
+        self._sem.release()  # taken off the queue, if not delivered
+
+    def _got(self, frame: scm_rights.Frame) -> None:
+        _count(frame, self._sem)
 
     def _reset(self, after_fork: bool = False) -> None:
         super()._reset(after_fork)
@@ -287,74 +371,6 @@ class _ShmQueue(_QueueBase):
                     self._unsent[0] -= 1
         finally:
             sending.lock.release()
-
-    def get(self, block: bool = True, timeout: float | None = None) -> Any:
-        """The stdlib's, receiving a frame with its fds."""
-        if self._closed:
-            raise ValueError(f"Queue {self!r} is closed")
-        chan = self._chan
-        acquire = chan.turn_args(block, timeout)
-        deadline = None if not block or timeout is None else time.monotonic() + timeout
-        held: list[bool] = []  # this thread's turn to receive (see Channel.turn)
-        try:
-            held.extend(starmap(chan.turn.acquire, (acquire,)))
-            if not held[0]:
-                raise Empty
-            try:
-                frame = chan.receive(block, None if deadline is None
-                                     else max(0.0, deadline - time.monotonic()))
-            except Lost:
-                self._sem.release()  # taken off the queue, if not delivered
-                raise
-            _count(frame, self._sem)
-            return chan.take(_reductions.loads, held)  # lets go of the turn as it hands over
-        except BaseException:
-            # not in finally: after a take, no call may come before the return (a signal
-            # handler runs at a call's entry or return, and its exception would lose what
-            # take returned)
-            chan.disown()
-            raise
-        finally:
-            if held and held[0]: chan.turn.release()  # noqa: E701 (first call of its line)
-
-    async def get_async(self, block: bool = True, timeout: float | None = None) -> Any:
-        """:meth:`get`, awaited: tries the channel on a timer (1 to 50 ms: a ring has no fd
-        to wait on) in the running event loop instead of blocking it (no thread);
-        ``queue.Empty`` as ``get`` raises it.  Concurrent awaiters of one loop get one
-        message each, in the order they came (they wait in line, and only the first
-        tries).  Cancelling it loses no message: each try is one ``get(False)``, whole or
-        not begun."""
-        import asyncio
-        if self._closed:
-            raise ValueError(f"Queue {self!r} is closed")
-        if not block:
-            return self.get(False)
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        line = self._awaiting.get(loop)
-        if line is None:
-            line = self._awaiting[loop] = asyncio.Lock()
-        # awaiters of one loop take messages in the order they came (the lock is FIFO)
-        if deadline is None:
-            await line.acquire()
-        else:
-            try:
-                await asyncio.wait_for(line.acquire(), max(0.0, deadline - loop.time()))
-            except asyncio.TimeoutError:
-                raise Empty from None
-        try:
-            pause = 0.001
-            while True:
-                try:
-                    return self.get(False)
-                except Empty:
-                    if deadline is not None and loop.time() >= deadline:
-                        raise
-                await asyncio.sleep(pause if deadline is None
-                                    else min(pause, max(0.0, deadline - loop.time())))
-                pause = min(pause * 2, 0.05)
-        finally:
-            line.release()
 
     async def put_async(self, obj: object, block: bool = True,
                         timeout: float | None = None) -> None:
@@ -485,32 +501,61 @@ def _on_channel(q: Any) -> None:
     every process is what tells a writer that nobody reads, as with the stdlib's pipe)."""
     q._reader.close()
     q._writer.close()
-    r, w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    q._reader = Connection(r.detach(), writable=False)
-    q._writer = Connection(w.detach(), readable=False)
     # a ring as deep as maxsize never fills (the semaphore counts what is in it)
-    q._chan = Channel.create(q._reader._sock, q._writer._sock, min(q._maxsize, _RING_DEPTH))
-    _spin_as_set(q)
+    q._reader, q._writer, q._chan = _new_channel(min(q._maxsize, _RING_DEPTH))
     q._reset()
 
 
-def _spin_as_set(q: Any) -> None:
-    """The channel's reader polls as ``set_receive_spin`` says (its ``_reader``'s wait)."""
-    wait = q._reader._wait
-    q._chan.ring.spin = 0.0 if wait is None else wait.budget
+def _new_channel(depth: int) -> tuple[Connection, Connection, Channel]:
+    """A channel of ``depth`` records and its side sockets' reading and writing ends."""
+    r, w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    reader = Connection(r.detach(), writable=False)
+    writer = Connection(w.detach(), readable=False)
+    chan = Channel.create(reader._sock, writer._sock, depth)
+    _spin_as_set(chan, reader)
+    return reader, writer, chan
+
+
+def _attach(ring_state: Any, reader: Connection, writer: Connection) -> Channel:
+    """This process's ends of a channel that came pickled: its ring's state from
+    ``Channel.ring_state()``, its side sockets' ends."""
+    chan = Channel.attach(ring_state, reader._sock, writer._sock)
+    _spin_as_set(chan, reader)
+    return chan
+
+
+def _spin_as_set(chan: Channel, reader: Connection) -> None:
+    """The channel's reader polls as ``set_receive_spin`` says (``reader``'s wait)."""
+    wait = reader._wait
+    chan.ring.spin = 0.0 if wait is None else wait.budget
+
+
+async def _retried(attempt: Callable[[], _T], exc: type[Exception],
+                   deadline: float | None) -> _T:
+    """``attempt()`` in the running event loop until it does not raise ``exc``, tried
+    again after 1 ms, doubling up to 50 ms (a ring has no fd to wait on, for a message
+    or for room); ``exc`` again once ``deadline`` (loop time) has passed."""
+    import asyncio
+    loop = asyncio.get_running_loop()
+    pause = _RETRY_FIRST
+    while True:
+        try:
+            return attempt()
+        except exc:
+            if deadline is not None and loop.time() >= deadline:
+                raise
+        await asyncio.sleep(pause if deadline is None
+                            else min(pause, max(0.0, deadline - loop.time())))
+        pause = min(pause * 2, _RETRY_MAX)
 
 
 class ReadTurn:
-    """This process's side of a queue's read lock.
+    """This process's side of a socket queue's read lock, which ``_aio.read_frame``
+    takes as its ``turn``.  No queue of this module reads a socket now (each reads a
+    channel, whose turn is ``Channel.turn``): kept for ``_aio``'s parameter.
 
-    A frame this process has read part of (a ``get(timeout)`` that ran out, an exception
-    a signal handler raised mid-frame) stays in its reader; until the rest is read, the
-    socket is mid-frame for every other reader, so the queue's read lock stays held by
-    this process (``kept``) and the next get of any of its threads resumes the frame.
-    ``lock`` lets one thread of this process read at a time: a thread waiting for its
-    turn takes over a kept read lock as soon as the turn is its (a thread waiting on the
-    read lock itself would wait for good).  Made anew in a forked child, which owns
-    neither (its reader lets go of the parent's part-read frame)."""
+    ``lock`` lets one thread of this process read at a time; ``kept`` holds the read
+    lock this process keeps while a frame stays part-read."""
 
     __slots__ = ("lock", "kept", "__weakref__")
 
@@ -519,62 +564,6 @@ class ReadTurn:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.kept: dict[str, bool] = {}
-
-
-_turns: weakref.WeakSet[ReadTurn] = weakref.WeakSet()
-
-
-def _read_turn() -> ReadTurn:
-    turn = ReadTurn()
-    _turns.add(turn)
-    return turn
-
-
-def _forked() -> None:
-    for turn in list(_turns):
-        turn.lock = threading.Lock()
-        turn.kept = {}
-
-
-os.register_at_fork(after_in_child=_forked)
-
-def _then(acquire: tuple[()] | tuple[bool] | tuple[bool, float],
-          deadline: float | None) -> tuple[()] | tuple[bool] | tuple[bool, float]:
-    """``acquire`` for a second lock, within what is left of ``deadline``."""
-    if deadline is None or len(acquire) < 2:
-        return acquire
-    return True, max(0.0, deadline - time.monotonic())
-
-
-def _read_locked(reader: Connection, rlock: Lock, turn: ReadTurn,
-                 acquire: tuple[()] | tuple[bool] | tuple[bool, float],
-                 deadline: float | None) -> scm_rights.Frame | None:
-    """``reader.read_frame(deadline)`` with this process's read turn and the queue's read
-    lock, each taken with ``acquire`` (its arguments) within ``deadline``: the frame, or
-    None (a lock or the frame not had in time).  A read lock this process kept for a
-    part-read frame (see :class:`ReadTurn`) is taken over instead of acquired, and kept
-    again while a frame stays part-read.  What each acquire (and the take-over) returned
-    is recorded with no point between where a signal handler runs (see
-    ``scm_rights._FIRST``), and each release is the first call of its line, inside
-    ``finally`` blocks, so an exception never leaves a lock held by nobody (the stdlib
-    Lock's ``__exit__`` is Python code, where a handler can run: ``with`` is not used)."""
-    held: list[bool] = []  # [the turn, the kept read lock taken over, (the read lock)]
-    try:
-        held.extend(starmap(turn.lock.acquire, (acquire,)))
-        if not held[0]:
-            return None
-        held.extend(starmap(turn.kept.pop, turn.KEPT))
-        if not held[1]:
-            held.extend(starmap(rlock.acquire, (_then(acquire, deadline),)))
-        return reader.read_frame(deadline) if held[-1] else None
-    finally:
-        try:
-            if held[1:] and held[-1]:
-                # no call before the keep or the release: the frame's state decides
-                if reader._frames._parts: turn.kept["rlock"] = True  # noqa: E701
-                else: rlock.release()  # noqa: E701
-        finally:
-            if held and held[0]: turn.lock.release()  # noqa: E701 (first call of its line)
 
 
 @final
@@ -660,58 +649,114 @@ class JoinableQueue(_ShmQueue, _StdJoinableQueue):
     """``multiprocessing.JoinableQueue`` that moves arrays through shared memory."""
 
 
-class SimpleQueue(_SimpleQueueBase):
-    """``multiprocessing.SimpleQueue`` that moves arrays through shared memory.  As the
-    stdlib's, ``put`` pickles and sends in the caller's thread, so every error raises
-    there."""
+class SimpleQueue(_OnChannel, _SimpleQueueBase):
+    """``multiprocessing.SimpleQueue`` that moves arrays through shared memory, on a
+    channel (as Queue is).  As the stdlib's, ``put`` pickles and sends in the caller's
+    thread (no feeder thread: it waits while the ring is full), so every error raises
+    there; ``get`` waits for a message.  Both take ``block`` and ``timeout`` too.
 
-    def __init__(self, *, ctx: Any) -> None:
-        super().__init__(ctx=ctx)
-        self._reader.close()
-        self._writer.close()
-        self._reader, self._writer = Pipe(duplex=False)
-        self._poll = self._reader.poll
-        self._turn = _read_turn()  # this process's side of the read lock
+    ``_reader`` and ``_writer`` are what the stdlib's Pool and executors use: ``_writer``
+    the side socket's writing end (closed by a process that only reads), ``_reader`` a
+    :class:`_Reader` whose ``fileno()`` ``multiprocessing.connection.wait`` waits on and
+    whose ``recv()`` is ``get()``."""
+
+    _reader: _Reader  # the stdlib's is a Connection
+
+    def __init__(self, *, ctx: Any) -> None:  # not the stdlib's: no pipe, no locks
+        self._side, self._writer, self._chan = _new_channel(_RING_DEPTH)
+        self._setup()
+
+    def _setup(self) -> None:
+        self._chan.waitable = True
+        self._reader = _Reader(self)
+        # get_async's awaiters of each event loop, in line (see _OnChannel.get_async)
+        self._awaiting = weakref.WeakKeyDictionary()
+
+    def __getstate__(self) -> Any:
+        context.assert_spawning(self)
+        return self._side, self._writer, self._chan.ring_state()
 
     def __setstate__(self, state: Any) -> None:
-        super().__setstate__(state)
-        self._turn = _read_turn()
+        self._side, self._writer, ring_state = state
+        self._chan = _attach(ring_state, self._side, self._writer)
+        self._setup()
 
-    def get(self) -> Any:
-        _read_locked(self._reader, self._rlock, self._turn, (), None)
-        return self._reader.take(_reductions.loads)
+    def _check_get(self) -> None:
+        self._side._check_closed()  # OSError, as the stdlib's closed reader raises
 
-    async def get_async(self) -> Any:
-        """:meth:`get`, awaited: waits for the socket to be readable in the running event
-        loop instead of blocking it (no thread); see :meth:`Queue.get_async`."""
-        from . import _aio  # asyncio loads with the first awaitable call
-        await _aio.read_frame(self._reader, self._rlock, self._turn)
-        return self._reader.take(_reductions.loads)
+    def empty(self) -> bool:
+        self._side._check_closed()
+        return self._chan.empty()
 
-    async def put_async(self, obj: object) -> None:
-        """:meth:`put`, awaited: pickles in the caller's step, then sends without blocking
-        the loop.  A frame the socket takes whole is sent at once; a larger one (or one
-        that finds the socket full) goes out piece by piece on writer readiness, under the
-        queue's write lock, which it holds until the frame is whole (taken without
-        blocking, tried again on a timer while another writer holds it).  A call
-        cancelled before its frame began sends nothing; one cancelled after it began is
-        finished in the background (never half a frame), so its object is delivered.
-        Sends from one loop keep their order.  Await it before a :meth:`put` in the
-        same thread: that ``put`` would wait for the write lock this loop holds."""
-        from . import _aio  # asyncio loads with the first awaitable call
-        data, ctx = dumps_to_send(obj, "put() failed")
-        await _aio.send(self._writer, data, ctx, self._wlock, "put() failed")
+    def close(self) -> None:
+        """As the stdlib's: both ends closed (and the ring, in this process)."""
+        self._side.close()
+        self._writer.close()
+        self._chan.close()
 
     def put(self, obj: object) -> None:
+        self._writer._check_closed()
         data, ctx = dumps_to_send(obj, "put() failed")
         try:
-            if self._wlock is None:
-                self._writer.send_frame(data, ctx.wire_fds())
-            else:
-                with self._wlock:
-                    self._writer.send_frame(data, ctx.wire_fds())
+            self._chan.send(data, ctx.wire_fds())
         except OSError as e:
             data = None  # type: ignore[assignment]  # see send_error
             raise send_error(e, "put() failed")
         finally:
             ctx.release()
+
+    async def put_async(self, obj: object) -> None:
+        """:meth:`put`, awaited: pickles in the caller's step, then sends without blocking
+        the loop, tried again on a timer (1 to 50 ms) while the ring is full.  Cancelling
+        it sends nothing or the whole message (each try is whole or not begun).  Sends
+        from one loop keep their order."""
+        self._writer._check_closed()
+        data, ctx = dumps_to_send(obj, "put() failed")
+        fds = ctx.wire_fds()
+        try:
+            await _retried(lambda: self._chan.send(data, fds, False), Full, None)
+        except OSError as e:
+            data = None  # type: ignore[assignment]  # see send_error
+            raise send_error(e, "put() failed")
+        finally:
+            ctx.release()
+
+
+@final
+class _Reader:
+    """A SimpleQueue's ``_reader``, as the stdlib's Pool and concurrent.futures use it:
+    ``multiprocessing.connection.wait([reader])`` (``fileno()``: see
+    ``Channel.wait_fd``), ``recv()`` (the queue's ``get()``), ``poll()``, ``close()``
+    (this process reads no more: once every process has, ``put`` raises
+    ``BrokenPipeError``)."""
+
+    __slots__ = ("_queue",)
+
+    def __init__(self, queue: SimpleQueue) -> None:
+        self._queue = weakref.ref(queue)  # the queue keeps its reader, not the reverse
+
+    def _q(self) -> SimpleQueue:
+        q = self._queue()
+        if q is None:
+            raise OSError(errno.EBADF, "the SimpleQueue of this reader is gone")
+        return q
+
+    def fileno(self) -> int:
+        q = self._q()
+        q._side._check_closed()
+        return q._chan.wait_fd()
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        q = self._q()
+        q._side._check_closed()
+        return q._chan.poll(timeout)
+
+    def recv(self) -> Any:
+        return self._q().get()
+
+    def close(self) -> None:
+        self._q()._side.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._q()._side.closed

@@ -1,8 +1,13 @@
 """``Pool``: the stdlib's process pool on shmtensor channels, that notices dead workers.
 
-Tasks and results cross on shmtensor SimpleQueues, so arrays go zero-copy; functions
-go by name as with the stdlib (a ``__main__`` function is the worker's own, with its
-globals), and lambdas and closures, which the stdlib cannot send, by value (cloudpickle).
+Tasks and results cross on shmtensor SimpleQueues (channels: a ring in shared memory), so
+arrays go zero-copy; functions go by name as with the stdlib (a ``__main__`` function is
+the worker's own, with its globals), and lambdas and closures, which the stdlib cannot
+send, by value (cloudpickle).  The pool puts and gets on its queues (the stdlib's sends
+and receives on their pipes' ends), and its worker handler waits on the change notifier
+only (the stdlib's also wakes for every result, which nothing needs: an emptied cache
+notifies).  A worker killed while it reads or writes a queue holds none of its locks
+(the ring's are robust), so ``terminate()`` never waits on one.
 A worker's exception is raised in the caller as itself, with the worker's traceback as
 ``__cause__``, or as a :class:`RemoteError` naming its type when that type cannot be
 rebuilt here.
@@ -21,13 +26,13 @@ that dies while the pool is idle is simply replaced by the stdlib's own worker h
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
 import weakref
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import pool as _mpp
 from multiprocessing.connection import wait
+from queue import Empty
 from typing import TYPE_CHECKING, Any, cast
 
 from .. import _queues
@@ -50,7 +55,8 @@ if TYPE_CHECKING:
         _processes: int
         _maxtasksperchild: int | None
         _inqueue: _queues.SimpleQueue
-        _outqueue: _ResultQueue
+        _outqueue: _queues.SimpleQueue
+        _change_notifier: _queues.SimpleQueue
         _quick_put: Callable[[object], None]
         _quick_get: Callable[[], object]
 
@@ -191,38 +197,18 @@ def _quit_early(pool: Pool) -> bool:
     return pool._state == _mpp.RUN and not pool._maxtasksperchild
 
 
-class _ResultQueue(_queues.SimpleQueue):
-    """The pool's result queue.  Its workers share its write lock, and one killed mid-send
-    holds it for good: once the pool is broken, the end-of-results sentinel (the pool's
-    own ``put(None)``, from closing or terminating) waits for the lock a second at most,
-    then ends the result handler's reads instead, so ``terminate()`` does not hang."""
-
-    broken = False
-
-    def put(self, obj: object) -> None:
-        if obj is not None or not self.broken or self._wlock is None:
-            return super().put(obj)
-        if not self._wlock.acquire(timeout=1.0):
-            try:
-                self._reader._sock.shutdown(socket.SHUT_RD)  # the handler reads EOF: exits
-            except OSError:
-                pass
-            return
-        try:
-            self._writer.send(None)
-        finally:
-            self._wlock.release()
-
-
 class Pool(_StdPool):
     """``multiprocessing.Pool`` on shmtensor channels that fails fast when a worker dies
     (see :func:`shmtensor.multiprocessing.Pool`, which makes one)."""
 
     def _setup_queues(self) -> None:
         self._inqueue = self._ctx.SimpleQueue()
-        self._outqueue = _ResultQueue(ctx=self._ctx)
-        self._quick_put = self._inqueue._writer.send
-        self._quick_get = self._outqueue._reader.recv
+        self._outqueue = self._ctx.SimpleQueue()
+        self._quick_put = self._inqueue.put
+        self._quick_get = self._outqueue.get
+
+    def _get_sentinels(self) -> list[Any]:
+        return [self._change_notifier._reader]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._broken: WorkerLostError | None = None
@@ -243,12 +229,16 @@ class Pool(_StdPool):
     @staticmethod
     def _help_stuff_finish(inqueue: _queues.SimpleQueue, task_handler: threading.Thread,
                            size: int) -> None:
-        """The stdlib's, but a worker killed while reading holds the task queue's lock for
-        good: terminate() then gives up on it after a second instead of hanging."""
-        if not inqueue._rlock.acquire(timeout=1.0):
-            return
-        while task_handler.is_alive() and inqueue._reader.poll():
-            inqueue._reader.recv_bytes()  # tasks dropped unread: their fds close with them
+        """The stdlib's: tasks dropped while the task handler may wait for room to put
+        (their arrays let go of with them); the workers are terminated next."""
+        while task_handler.is_alive():
+            try:
+                inqueue.get(timeout=0.05)  # a worker may hold the read lock a moment
+            except Empty:
+                if inqueue.empty():
+                    return  # room to put: the task handler finishes by itself
+            except Exception:  # a task that does not load, or was lost: dropped all the same
+                pass
             time.sleep(0)
 
     def _break(self, pid: int | None, code: int) -> None:
@@ -259,7 +249,6 @@ class Pool(_StdPool):
             "call(s) were pending: their results are lost and the pool is broken; close it "
             "and create a new Pool")
         self._broken = err
-        self._outqueue.broken = True
         for job in list(self._cache.values()):
             _fail(job, err)
 
