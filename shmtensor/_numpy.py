@@ -21,6 +21,7 @@ table file, one in-flight lock description and, for memfds, the segment fds (see
 from __future__ import annotations
 
 import pickle
+import struct
 from collections.abc import Callable
 from typing import Any, Literal, cast
 
@@ -30,7 +31,7 @@ import numpy.typing as npt
 from shmtensor.ipc import ofd_lease, scm_rights
 
 from . import _log, _registry, _segments, _stats, _strategy, _wire
-from ._reductions import NUMPY_LANE
+from ._reductions import NUMPY_LANE, PLAIN_LANE
 from ._segments import FD, Segment
 from ._wire import LaneContext, attach_fd, inflight_index, keep_alive, received_fd, received_lease
 from ._wire import Payload
@@ -119,15 +120,23 @@ def _reduce_on(a: np.ndarray, seg: Segment, readonly: bool, copied: bool = False
     return _rebuild_array, (args + (True,) if copied else args)
 
 
-# A message that is one shared array (its memory a segment that can travel) goes without a
-# pickler: NUMPY_LANE and a plain pickle of the segment's and the view's fields, and its
-# fds (the segment's memfd, if it is one, then the in-flight description of its lease,
-# which the receiver keeps as its hold).  Anything else takes the pickler.
+# A message that is one array goes without a pickler.  A shared one (its memory a segment
+# that can travel): NUMPY_LANE and a plain pickle of the segment's and the view's fields,
+# and its fds (the segment's memfd, if it is one, then the in-flight description of its
+# lease, which the receiver keeps as its hold).  A plain contiguous one under the inline
+# threshold, of a dtype its string names: PLAIN_LANE, its flags, shape, strides and dtype
+# string, then its bytes in memory order.  Anything else takes the pickler.
 
-def lane_dumps(a: np.ndarray) -> tuple[bytes, LaneContext] | None:
-    """``a`` alone as a message ``(payload, LaneContext)``, or None when it is not shared."""
+_PLAIN_HEAD = struct.Struct("<2sBBB")  # kind, read-only, ndim, length of the dtype string
+_shapes = [struct.Struct(f"<{2 * n}q") for n in range(65)]  # numpy allows 64 dimensions
+
+
+def lane_dumps(a: np.ndarray) -> tuple[bytes, _wire.SendContext] | None:
+    """``a`` alone as a message ``(payload, context)``, or None for the pickler."""
     seg = _segments.segment_of(a)
-    if seg is None or (seg.kind == FD and seg.fd is None) or a.dtype.hasobject:
+    if seg is None:
+        return _plain_dumps(a)
+    if (seg.kind == FD and seg.fd is None) or a.dtype.hasobject:
         return None
     anchor = seg.anchor()  # kept until sent: keeps the segment (and its memfd) here
     # strides None: C-contiguous, not empty, with no axis of length 1 (the flag ignores
@@ -142,15 +151,42 @@ def lane_dumps(a: np.ndarray) -> tuple[bytes, LaneContext] | None:
             LaneContext(anchor, seg.fd if seg.kind == FD else None, seg.table_id, seg.slot))
 
 
-# dtype strings of lane messages -> numpy dtypes (a few, never evicted)
+def _plain_dumps(a: np.ndarray) -> tuple[bytes, _wire.SendContext] | None:
+    """A plain array by value, as the pickler would send it inline, or None (over the
+    threshold: copied into a segment; a dtype its string does not name)."""
+    dt = a.dtype
+    name = _dtype_names.get(dt)
+    if name is None:
+        if type(_dt(dt)) is not str or dt.hasobject or not dt.itemsize:
+            return None
+        name = dt.str.encode()
+        if len(_dtype_names) < 256:
+            _dtype_names[dt] = name
+    flags = a.flags
+    if a.nbytes >= _strategy.get_inline_threshold() or not (
+            flags.c_contiguous or flags.f_contiguous):
+        return None  # a strided view goes as its root and its place in it (the pickler)
+    _stats.bump("arrays_sent_inline")
+    # memory order, which the strides address: C unless only F-contiguous
+    data = a.tobytes("C" if flags.c_contiguous else "F")
+    return b"".join((_PLAIN_HEAD.pack(PLAIN_LANE, not flags.writeable, a.ndim, len(name)),
+                     _shapes[a.ndim].pack(*a.shape, *a.strides), name, data)), _wire.NO_FDS
+
+
+# dtype strings of lane messages -> numpy dtypes, and for plain ones both ways (a few
+# each, never evicted)
 _dtypes: dict[str, np.dtype[Any]] = {}
+_dtype_names: dict[np.dtype[Any], bytes] = {}
+_named_dtypes: dict[bytes, np.dtype[Any]] = {}
 
 
 def lane_loads(data: Payload, fds: list[int]) -> np.ndarray:
     """The array of a :func:`lane_dumps` message; closes every fd it does not keep.
-    The message's in-flight description covers this one slot, so it may itself become the
+    A shared one's in-flight description covers its one slot, so it may itself become the
     hold (``_segments.receive`` given the fd list as the lease), with nothing deferred."""
     try:
+        if data[1:2] == b"P":
+            return _plain_loads(data, fds)
         (key, kind, size, table_id, slot, offset, shape, strides, dtype,
          readonly) = pickle.loads(memoryview(data)[len(NUMPY_LANE):])
         if len(fds) != (2 if kind == FD else 1):
@@ -165,6 +201,32 @@ def lane_loads(data: Payload, fds: list[int]) -> np.ndarray:
         return _rebuild_array(anchor, offset, shape, strides, dt, readonly)
     finally:
         scm_rights.close_fds(fds)
+
+
+def _plain_loads(data: Payload, fds: list[int]) -> np.ndarray:
+    """The array of a plain lane message: its bytes in a buffer of its own, writeable
+    unless it was sent read-only (as numpy's pickle of it would arrive)."""
+    try:
+        _, readonly, ndim, n = _PLAIN_HEAD.unpack_from(data)
+        layout = _shapes[ndim].unpack_from(data, _PLAIN_HEAD.size)
+        at = _PLAIN_HEAD.size + 16 * ndim
+        name = bytes(data[at:at + n])
+        dt = _named_dtypes.get(name)
+        if dt is None:
+            dt = np.dtype(name.decode())
+            if len(_named_dtypes) < 256:
+                _named_dtypes[name] = dt
+        a: np.ndarray = np.ndarray(layout[:ndim], dt, bytearray(memoryview(data)[at + n:]),
+                                   0, layout[ndim:])
+    except (struct.error, IndexError, ValueError, TypeError, UnicodeDecodeError) as e:
+        raise pickle.UnpicklingError(f"a malformed array message ({e}): the sender is not "
+                                     "this shmtensor version's, or the channel was written "
+                                     "by something else") from None
+    if fds:
+        raise pickle.UnpicklingError(f"a plain array came with {len(fds)} fds")
+    if readonly:
+        a.flags.writeable = False
+    return a
 
 
 def _reduce_segment(seg: Segment) -> Reduction:

@@ -47,9 +47,10 @@ if TYPE_CHECKING:
 else:
     from multiprocessing.reduction import ForkingPickler
 
-# A message that is one shared numpy array goes without a pickler (``_numpy.lane_dumps``):
-# this kind, then the array's fields.
+# A message that is one numpy array goes without a pickler (``_numpy.lane_dumps``): one of
+# these kinds (a shared array, a plain one), then the array's fields.
 NUMPY_LANE = b"\0N"
+PLAIN_LANE = b"\0P"
 
 
 def _install_numpy() -> None:
@@ -307,10 +308,10 @@ def loads(data: Payload, fds: list[int], private: bool = False) -> Any:
 
 
 def _loads(data: Payload, fds: list[int], private: bool = False) -> Any:
+    if data and data[0] == 0:  # a lane: pickle data starts with PROTO (0x80)
+        return _lane_loads(data, fds)
     if not fds:
         return pickle.loads(data)
-    if data and data[0] == 0:  # a lane: pickle data starts with PROTO (0x80)
-        return _lane_loads(data, fds)  # only arrays shared already take a lane
     ctx = RecvContext(fds, private)
     prev = getattr(_wire.current, "recv", None)
     loaded = False
@@ -334,7 +335,7 @@ def _lane_loads(data: Payload, fds: list[int]) -> object:
     """A message sent without a pickler (see ``_Pickler.lanes``): one object, loaded by the
     lane kind's registered loader."""
     kind = bytes(data[:2])
-    if kind == NUMPY_LANE:
+    if kind == NUMPY_LANE or kind == PLAIN_LANE:
         return (_numpy_lane or _numpy_lane_loads)(data, fds)
     loader = _registry.lane_loader(kind)
     if loader is None:

@@ -70,6 +70,22 @@ class SendContext:
             self.release()
 
 
+class _NoFds(SendContext):
+    """The context of a message sent without a pickler that carries nothing but its bytes
+    (a plain array's): one, shared, that nothing changes."""
+
+    __slots__ = ()
+
+    def wire_fds(self) -> list[int]:
+        return []
+
+    def release(self) -> None:
+        pass
+
+
+NO_FDS: SendContext = _NoFds()
+
+
 class LaneContext(SendContext):
     """The context of a message sent without a pickler (see ``_Pickler.lanes``): the data
     fd, if any (``fd`` None: none), then one in-flight description of one lease slot,

@@ -253,3 +253,61 @@ def test_one_shared_array_alone_skips_the_pickler_and_crosses_as_in_a_container(
     assert not got_ro.flags.writeable and got_ro[3] == 33.0
     alone[0, 0] = -1.0  # the same memory as the sender's
     assert a[2, 29] == -1.0 and inside[0, 0] == -1.0
+
+
+PLAIN_ALONE = {
+    "c": np.arange(24.0).reshape(4, 6),
+    "fortran": np.asfortranarray(np.arange(24, dtype=np.int16).reshape(4, 6)),
+    "new-axis": np.arange(12.0).reshape(3, 4)[:, None, :],
+    "big-endian": np.arange(6, dtype=">i4"),
+    "unicode": np.array(["a", "bcd", ""]),
+    "bytes": np.array([b"xy", b"z"]),
+    "zero-d": np.array(3.25),
+    "zero-size": np.zeros((0, 3), np.float32),
+    "timedelta": np.array([1, -2], dtype="m8[ms]"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLAIN_ALONE))
+def test_one_plain_array_alone_skips_the_pickler_and_arrives_as_its_own_copy(name):
+    a = PLAIN_ALONE[name]
+    data, sent = _reductions.dumps(a)
+    assert bytes(data[:2]) == _reductions.PLAIN_LANE and sent.wire_fds() == []
+    sent.release()
+    b = _reductions.loads(data, [])
+    assert type(b) is np.ndarray and b.dtype == a.dtype and b.shape == a.shape
+    assert b.strides == a.strides and b.flags.writeable
+    np.testing.assert_array_equal(b, a)
+    assert not shmtensor.is_shared(b) and not np.shares_memory(a, b)
+    if b.size:  # its own buffer: writing it changes nothing else
+        b.reshape(-1)[0] = b.reshape(-1)[-1]
+        np.testing.assert_array_equal(_reductions.loads(data, []), a)
+    ro = a.copy(order="K")
+    ro.flags.writeable = False
+    got = roundtrip(ro)
+    assert not got.flags.writeable and got.strides == ro.strides
+    np.testing.assert_array_equal(got, a)
+
+
+def test_a_strided_or_structured_plain_array_alone_takes_the_pickler():
+    for a in (np.arange(10.0)[::2], np.zeros(3, dtype=[("a", "<i2"), ("b", ">f8")]),
+              np.array([None, 1], dtype=object)):
+        data, sent = _reductions.dumps(a)
+        assert bytes(data[:1]) == pickle.PROTO
+        sent.release()
+
+
+def test_a_malformed_plain_array_message_is_an_unpickling_error_and_closes_its_fds():
+    import os
+    data, _ = _reductions.dumps(np.arange(6.0).reshape(2, 3))
+    for cut in (2, 4, 5, 20, len(data) - 1):
+        with pytest.raises(pickle.UnpicklingError, match="malformed array message"):
+            _reductions.loads(data[:cut], [])
+    with pytest.raises(pickle.UnpicklingError, match="unknown message kind"):
+        _reductions.loads(data[:1], [])
+    r, w = os.pipe()
+    with pytest.raises(pickle.UnpicklingError, match="came with 2 fds"):
+        _reductions.loads(data, [r, w])
+    for fd in (r, w):
+        with pytest.raises(OSError):
+            os.fstat(fd)
