@@ -169,7 +169,8 @@ _FIRST_NOW = ((4, _ANC_SIZE, _RECV_FLAGS | _DONTWAIT),)
 
 class SpinWait:
     """How one reader waits for a frame: it polls the socket for up to ``budget`` seconds
-    before it sleeps in ``recvmsg``, while its last wait was no longer than that (``hot``).
+    before it sleeps in ``recvmsg``, while its last wait was no longer than that (``hot``),
+    giving the CPU to any other runnable thread between polls.
 
     A reader that waited longer sleeps at once next time (and learns again from how long
     that took), so a reader kept idle burns no CPU, and one that keeps up with a busy
@@ -191,7 +192,7 @@ class SpinWait:
 
     def read_into(self, sock: socket.socket, out: list[_Msg]) -> None:
         """The first read of a frame, appended to ``out`` (see ``_FIRST``)."""
-        clock = time.perf_counter
+        clock, yield_cpu = time.perf_counter, os.sched_yield
         if self.hot:
             try:
                 return out.extend(starmap(sock.recvmsg, _FIRST_NOW))
@@ -199,6 +200,7 @@ class SpinWait:
                 pass
             deadline = clock() + self.budget
             while clock() < deadline:
+                yield_cpu()  # to a writer that shares this CPU
                 try:
                     return out.extend(starmap(sock.recvmsg, _FIRST_NOW))
                 except BlockingIOError:

@@ -56,13 +56,14 @@ _SIZE = re.compile(r"\s*(\d+)\s*([a-z]*)\s*", re.IGNORECASE)
 _SIZE_FORMS = "bytes as digits, optionally with a binary suffix: 81920, 80k, 80KiB, 1M, 1GiB"
 
 
-# How long a reader (Queue.get, SimpleQueue.get, Connection.recv) polls its socket before it
-# sleeps, while its previous wait was no longer (ipc.scm_rights.SpinWait).  A writer whose
-# reader sleeps pays the wake-up in its send (~1 us on the GPU machine, 3-4 us on the
-# 2-vCPU VMs); a relay's middle stage, whose reader is always just behind, spends that on
-# every message.  Polling burns the reader's CPU while it waits, so it is on by default
-# only with 4 or more CPUs to run on (not on the 2-vCPU machines, where a polling reader
-# would take a CPU from the writer it waits for).
+# How long a reader (Queue.get, SimpleQueue.get, Connection.recv) polls its channel before
+# it sleeps, while its previous wait was no longer (``ipc.ring.Ring.spin``,
+# ``ipc.scm_rights.SpinWait``).  A writer whose reader sleeps pays the wake-up in its send,
+# and a reader woken from sleep runs its receive on a cold CPU: on the 2-vCPU VMs a round
+# trip of 1 KiB arrays took 2.5-3x as long with polling off.  Polling gives the CPU to any
+# other runnable thread between looks (``sched_yield``), so a reader that polls takes no
+# CPU from a writer that shares its CPU; it is off with one CPU, where nothing could
+# write while it looks.
 MAX_RECEIVE_SPIN_US = 10_000
 
 
@@ -73,7 +74,7 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
-DEFAULT_RECEIVE_SPIN_US = 100 if _cpus() >= 4 else 0
+DEFAULT_RECEIVE_SPIN_US = 100 if _cpus() >= 2 else 0
 
 
 def _check_spin(us: int, where: str) -> int:
@@ -275,7 +276,7 @@ def get_receive_spin() -> int:
     :func:`set_receive_spin`).
 
     :returns: Microseconds (0: never polls): what the program set, else
-        ``SHMTENSOR_RECEIVE_SPIN_US``, else 100 with 4 or more CPUs and 0 with fewer.
+        ``SHMTENSOR_RECEIVE_SPIN_US``, else 100 with 2 or more CPUs and 0 with one.
 
     :raises ValueError: ``SHMTENSOR_RECEIVE_SPIN_US`` holds a bad value and the program has
         not set the spin itself."""

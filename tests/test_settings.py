@@ -125,8 +125,8 @@ def test_a_bad_variable_fails_only_the_calls_that_use_its_setting(var, value, re
         assert line.split(" ", 2)[2].startswith(f"{var}={value!r}"), line
 
 
-def test_receive_spin_is_on_by_default_only_with_four_cpus_or_more():
-    assert _strategy.DEFAULT_RECEIVE_SPIN_US == (100 if len(os.sched_getaffinity(0)) >= 4
+def test_receive_spin_is_on_by_default_only_with_two_cpus_or_more():
+    assert _strategy.DEFAULT_RECEIVE_SPIN_US == (100 if len(os.sched_getaffinity(0)) >= 2
                                                  else 0)
 
 
