@@ -184,12 +184,6 @@ class SpinWait:
         self.budget = budget
         self.hot = True
 
-    def read_head(self, sock: socket.socket) -> _Msg:
-        """The first read of a frame, as ``recvmsg(4, ...)`` gives it."""
-        got: list[_Msg] = []
-        self.read_into(sock, got)
-        return got[0]
-
     def read_into(self, sock: socket.socket, out: list[_Msg]) -> None:
         """The first read of a frame, appended to ``out`` (see ``_FIRST``)."""
         clock, yield_cpu = time.perf_counter, os.sched_yield

@@ -326,8 +326,6 @@ def _loads(data: Payload, fds: list[int], private: bool = False) -> Any:
             if ctx.deferred:
                 ctx.establish(loaded)
         finally:
-            for fn in ctx.after:
-                fn()
             scm_rights.close_fds(fds)
 
 

@@ -115,12 +115,11 @@ class RecvContext:
     sender copied into shared memory only to send them arrive as private copies (a
     manager's server keeps values, as the stdlib's does, not views others can write)."""
 
-    __slots__ = ("fds", "after", "memo", "claims", "deferred", "private")
+    __slots__ = ("fds", "memo", "claims", "deferred", "private")
 
     def __init__(self, fds: list[int], private: bool = False) -> None:
         self.fds = fds
         self.private = private
-        self.after: list[Callable[[], object]] = []
         self.memo: dict[Hashable, Any] = {}
         # in-flight description's index -> the (table id, slot)s it covers
         self.claims: dict[int, set[tuple[str, int]]] = {}
@@ -184,18 +183,6 @@ def message_memo() -> dict[Hashable, Any]:
     once per message, whatever the number of arrays in it."""
     ctx: RecvContext | None = getattr(current, "recv", None)
     return (ctx if ctx is not None else send_context()).memo
-
-
-def after_loading(fn: Callable[[], object]) -> None:
-    """Call ``fn()`` once the message being unpickled is loaded (or failed to load)."""
-    current.recv.after.append(fn)
-
-
-def take_received_fd(i: int) -> int:
-    """Keep the ``i``-th fd of the message being unpickled (it is not closed after loading)."""
-    fd = received_fd(i)
-    current.recv.fds[i] = -1
-    return fd
 
 
 def received_lease(table_id: str, slot: int, lock_i: int) -> tuple[int, Deferred]:

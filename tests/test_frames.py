@@ -160,7 +160,9 @@ def test_a_spinning_reader_catches_a_frame_sent_while_it_polls(pair):
     th = threading.Thread(target=send)
     th.start()
     try:
-        head = wait.read_head(Watched())
+        got = []
+        wait.read_into(Watched(), got)
+        head = got[0]
         th.join(30)
         assert not th.is_alive() and polling.is_set()
         assert head[0] == struct.pack("!i", -3 - (6 << 8 | 1)) and len(head[1]) == 1
