@@ -315,3 +315,34 @@ def test_a_simple_queue_pickles_only_while_spawning():
         assert isinstance(q._reader, _queues._Reader)
     finally:
         q.close()
+
+
+def _die_holding_the_writers_lock(q, ready):
+    def hold(number):
+        ready.set()
+        threading.Event().wait()  # killed here, the lock held
+    q._chan.ring.put(_channel._INLINE + b"never", hook=hold)
+
+
+def test_terminate_returns_when_a_killed_process_held_the_result_queues_lock(lc):
+    # as a worker killed mid-send: the ring's writers' lock is robust, so the pool's last
+    # sentinel (and every later put) takes it over from the dead holder
+    ctx = smp.get_context("spawn")
+    pool = ctx.Pool(1)
+    worker = pool._pool[0]
+    lc.check_pid(worker.pid)
+    call = pool.apply_async(_wait_forever, (0,))
+    ready = ctx.Event()
+    holder = ctx.Process(target=_die_holding_the_writers_lock, args=(pool._outqueue, ready))
+    holder.start()
+    lc.check_pid(holder.pid)
+    assert ready.wait(JOIN)
+    holder.kill()
+    join_all(holder)
+    assert holder.exitcode == -9
+    worker.kill()
+    with pytest.raises(smp.WorkerLostError):
+        call.get(timeout=JOIN)
+    pool.terminate()
+    pool.join()
+    assert not worker.is_alive()
