@@ -1,7 +1,8 @@
 """Queue, JoinableQueue and SimpleQueue whose messages carry arrays through shared memory.
 
 They are the stdlib's classes (``isinstance`` and every method work as documented) on a
-socket pair instead of a pipe.  This module follows CPython 3.10-3.13's
+channel (``_channel.Channel``: a ring in shared memory beside a socket pair) instead of a
+pipe.  This module follows CPython 3.10-3.13's
 ``multiprocessing/queues.py``; those four differ only where this module does not reach
 (3.11 added ``Queue._terminate_broken``, 3.12 guarded ``_start_thread`` against
 finalization, which :meth:`_ShmQueue._start_thread` does on every version).  What it
@@ -15,12 +16,15 @@ overrides, and why:
 * ``_start_thread`` and ``_feed``: the stdlib's, but the feeder sends the frames ``put``
   made instead of pickling objects (3.10's ``_start_thread`` names ``Queue._feed`` itself,
   so both are overridden).
-* ``get``: the stdlib's, receiving a frame and its fds, atomic with respect to exceptions
-  (``scm_rights.FrameReader``): a message is delivered by the call that read it, or stays
-  for the next ``get`` of this process, or (an exception while it is unpickled) is
-  discarded with its fds closed; ``timeout`` covers the whole frame.
+* ``get`` (one for the three classes: :class:`_OnChannel`): the stdlib's, receiving a
+  message and its fds, atomic with respect to exceptions (``Channel.take``): a message
+  is delivered by the call that took it, or stays for the next ``get`` of this process,
+  or (an exception while it is unpickled) is discarded with its fds closed.
 * ``get_async``/``put_async`` (not in the stdlib): the same calls awaited in an event
-  loop, on the socket's readiness (:mod:`._aio`).
+  loop, tried on a timer (a ring has no fd to wait on).
+* ``SimpleQueue``: no feeder thread, as the stdlib's: ``put`` sends in the caller's thread
+  (waiting while the ring is full) and raises every error; its ``_reader`` is what the
+  stdlib's Pool and executors wait on and read (:class:`_Reader`).
 
 Errors are reported as the stdlib reports them, and resource errors are never lost:
 

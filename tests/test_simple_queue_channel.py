@@ -165,8 +165,12 @@ def test_waiting_on_the_reader_sees_messages_put_before_and_after_the_first_wait
         assert wait([q._reader], JOIN) == [q._reader]
         assert q._reader.poll() and q._reader.recv() == "before"
         assert wait([q._reader], 0.2) == []  # nothing waits: not readable
-        go.set()  # the child puts: its record ticks, and wakes this wait
+        # the child puts while this wait sleeps (most likely): its record's tick wakes it
+        # (without ticks this wait would sleep on)
+        setter = threading.Timer(0.3, go.set)
+        setter.start()
         assert wait([q._reader], JOIN) == [q._reader]
+        setter.join(JOIN)
         assert q.get() == "from a child"
         assert wait([q._reader], 0.2) == []
         join_all(p)
