@@ -1,9 +1,9 @@
-"""Awaitable receive and send on shmtensor's channels, driven by the event loop's readiness.
+"""Awaitable receive and send on a ``Connection``, driven by the event loop's readiness.
 
-``Queue.get_async``/``put_async``, ``SimpleQueue.get_async``/``put_async`` and
-``Connection.recv_async``/``send_async`` wait in the running event loop for the channel's
-socket (``loop.add_reader``/``add_writer``) and never block it: no thread per call, no
-thread at all.  Facts this module is built on:
+``Connection.recv_async``/``send_async`` wait in the running event loop for the
+connection's socket (``loop.add_reader``/``add_writer``) and never block it: no thread per
+call, no thread at all.  (The queues, on a ring, try it on a timer: see ``_queues``; their
+semaphore waits use :func:`acquire`.)  Facts this module is built on:
 
 * asyncio keeps one reader callback per fd per loop, so the awaiters of one socket in one
   loop wait in line (:class:`_Line`): the first one (the head) watches the socket, the
@@ -16,11 +16,8 @@ thread at all.  Facts this module is built on:
   or woken and not yet run) therefore loses no message, and a frame it read in part stays
   in the ``FrameReader`` for the next receive of this process, synchronous or not.  It
   leaves no reader registered.
-* A queue's read lock is taken without blocking and held while the head waits, as a
-  blocking ``get()`` holds it while it sleeps in ``recvmsg``; it is released before the
-  frame is unpickled, or when the head gives up (cancelled, timed out).  A lock (or a
-  queue's semaphore) held elsewhere has no fd to wait on: it is tried again on a timer,
-  after 1 ms, doubling up to 50 ms.
+* A queue's semaphore has no fd to wait on: it is tried again on a timer, after 1 ms,
+  doubling up to 50 ms.
 * A send that the socket takes whole at once (a frame of at most ``ATOMIC_MAX`` bytes and
   room in the socket) is done in the caller's step.  Otherwise the frame goes to the
   connection's sender in this loop (:class:`_Sender`, one task per connection and loop,
@@ -30,11 +27,9 @@ thread at all.  Facts this module is built on:
   never left mid-frame), so its message is delivered.  If the loop itself stops (its
   tasks cancelled) mid-frame, the sender finishes that frame with blocking writes.
 
-Rules for the caller, as for the synchronous calls: one loop reads a ``Connection`` (or a
-queue's reader thread), and a synchronous ``send()``/``put()`` on an end whose
-``send_async``/``put_async`` has not finished (awaited, or its task done) may interleave
-with it (``Connection``) or wait for it (``SimpleQueue``, whose write lock the sender
-holds): await the asynchronous sends first.
+Rules for the caller, as for the synchronous calls: one loop reads a ``Connection``, and a
+synchronous ``send()`` on an end whose ``send_async`` has not finished (awaited, or its
+task done) may interleave with it: await the asynchronous sends first.
 """
 
 from __future__ import annotations
@@ -42,8 +37,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import socket
-import threading
-from itertools import starmap
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from shmtensor.ipc import scm_rights
@@ -52,14 +45,12 @@ from . import _log
 
 if TYPE_CHECKING:
     from ._connection import Connection
-    from ._queues import ReadTurn
     from ._wire import SendContext
 
 __all__ = ["read_frame", "acquire", "send", "closing", "loop_time"]
 
 _T = TypeVar("_T")
-_NOW = ((False,),)          # lock.acquire's arguments: do not block (see _take)
-_RETRY_FIRST = 0.001        # a lock or semaphore held elsewhere: first retry after (s)
+_RETRY_FIRST = 0.001        # a semaphore held elsewhere: first retry after (s)
 _RETRY_MAX = 0.05           # ... doubling up to this
 
 
@@ -69,13 +60,6 @@ class _Lock(Protocol):
     def acquire(self, block: bool = ..., timeout: float | None = ...) -> bool: ...
 
     def release(self) -> None: ...
-
-
-def _take(lock: _Lock | threading.Lock, held: list[bool]) -> bool:
-    """Try ``lock`` without blocking; ``held`` records it with no point between the
-    acquire and the record where a signal handler runs (see ``_queues._read_locked``)."""
-    held.extend(filter(None, starmap(lock.acquire, _NOW)))
-    return bool(held)
 
 
 def _settle(fut: asyncio.Future[_T], value: _T) -> None:
@@ -192,16 +176,12 @@ async def _ready(loop: asyncio.AbstractEventLoop, fd: int, write: bool, until: f
             loop.remove_reader(fd)
 
 
-async def read_frame(conn: Connection, lock: _Lock | None, turn: ReadTurn | None = None,
-                     block: bool = True,
+async def read_frame(conn: Connection, block: bool = True,
                      timeout: float | None = None) -> scm_rights.Frame | None:
     """Wait in the running loop, without blocking it, until a whole frame is ready in
     ``conn``'s reader: the frame (``conn.take`` hands it over: the caller does so with no
     ``await`` in between), or None when ``block`` is false and none is ready, or when
-    ``timeout`` (seconds, for the whole frame) passed first.  ``lock``: a queue's read
-    lock, held while this reads or waits, released before it returns, or kept for this
-    process while a frame stays part-read; ``turn``: the queue's ``_queues.ReadTurn``
-    (taken first, as a blocking get takes it)."""
+    ``timeout`` (seconds, for the whole frame) passed first."""
     loop = asyncio.get_running_loop()
     now = loop.time()
     deadline = now if not block else None if timeout is None else now + max(timeout, 0.0)
@@ -216,48 +196,17 @@ async def read_frame(conn: Connection, lock: _Lock | None, turn: ReadTurn | None
     if not entered:
         _forget(conn, loop, line)
         return None
-    held: list[bool] = []  # as _queues._read_locked's: the turn, the kept lock, the lock
-    retry = _RETRY_FIRST
     try:
         while True:
-            wait = None
-            if lock is None or turn is None or _take_read(turn, lock, held):
-                frame = conn.read_frame(0.0)  # never blocks; what it read stays in the reader
-                if frame is not None:
-                    return frame
-            else:
-                wait = retry  # a lock is held elsewhere: no fd says when it is free
-                retry = min(retry * 2, _RETRY_MAX)
-            now = loop.time()
-            if deadline is not None and now >= deadline:
+            frame = conn.read_frame(0.0)  # never blocks; what it read stays in the reader
+            if frame is not None:
+                return frame
+            if deadline is not None and loop.time() >= deadline:
                 return None
-            if wait is not None:
-                await asyncio.sleep(wait if deadline is None else min(wait, deadline - now))
-            else:
-                await _ready(loop, conn.fileno(), False, deadline, line)
+            await _ready(loop, conn.fileno(), False, deadline, line)
     finally:
-        try:
-            if lock is not None and turn is not None and held[1:] and held[-1]:
-                # no call before the keep or the release (see _queues._read_locked)
-                if conn._frames._parts: turn.kept["rlock"] = True  # noqa: E701
-                else: lock.release()  # noqa: E701
-        finally:
-            if held and turn is not None: turn.lock.release()  # noqa: E701
-            line.leave()
-            _forget(conn, loop, line)
-
-
-def _take_read(turn: ReadTurn, lock: _Lock, held: list[bool]) -> bool:
-    """Without blocking: the turn, then the read lock this process kept (taken over) or
-    the queue's read lock; True once ``held`` has the read lock.  Each step is recorded
-    in ``held`` with no point between where a signal handler runs."""
-    if not held and not _take(turn.lock, held):
-        return False
-    if len(held) == 1:
-        held.extend(starmap(turn.kept.pop, turn.KEPT))
-    if not held[-1]:
-        held.extend(filter(None, starmap(lock.acquire, _NOW)))
-    return held[-1]
+        line.leave()
+        _forget(conn, loop, line)
 
 
 async def acquire(sem: _Lock, block: bool, timeout: float | None) -> bool:
@@ -314,13 +263,12 @@ class _Job:
     """One frame for a :class:`_Sender`: its pieces, how far it went, and the future its
     ``send`` awaits (cancelled: send nothing unless a byte already went out)."""
 
-    __slots__ = ("pieces", "ctx", "lock", "done", "at", "pos", "started")
+    __slots__ = ("pieces", "ctx", "done", "at", "pos", "started")
 
-    def __init__(self, data: Any, ctx: SendContext, lock: _Lock | None,
-                 done: asyncio.Future[None]) -> None:
+    def __init__(self, data: Any, ctx: SendContext, done: asyncio.Future[None]) -> None:
         self.pieces = _pieces(data, ctx.wire_fds())
         self.ctx: SendContext | None = ctx
-        self.lock, self.done = lock, done
+        self.done = done
         self.at = self.pos = 0    # the piece being sent, and how much of it went
         self.started = False      # a byte went out: the frame must be finished
 
@@ -381,14 +329,7 @@ class _Sender:
 
     async def _send(self, job: _Job, what: str) -> None:
         from ._connection import send_error
-        held: list[bool] = []
-        retry = _RETRY_FIRST
         try:
-            while job.lock is not None and not _take(job.lock, held):
-                if job.dropped():
-                    return
-                await asyncio.sleep(retry)  # held elsewhere: no fd says when it is free
-                retry = min(retry * 2, _RETRY_MAX)
             while not job.dropped():
                 if job.write(self.conn._writer_socket(), socket.MSG_DONTWAIT):
                     _settle(job.done, None)
@@ -413,15 +354,13 @@ class _Sender:
             else:
                 job.done.set_exception(err)
         finally:
-            if held and job.lock is not None: job.lock.release()  # noqa: E701
             job.release()
 
 
-async def send(conn: Connection, data: Any, ctx: SendContext, lock: _Lock | None,
-               what: str) -> None:
+async def send(conn: Connection, data: Any, ctx: SendContext, what: str) -> None:
     """Send one frame on ``conn`` from the running loop, after the frames this loop has in
-    flight on it (see the module's docstring); ``lock``: a queue's write lock; ``what``:
-    the call, for errors ("put() failed").  ``ctx`` is this call's, released here."""
+    flight on it (see the module's docstring); ``what``: the call, for errors ("send()
+    failed").  ``ctx`` is this call's, released here."""
     from ._connection import send_error
     loop = asyncio.get_running_loop()
     senders = conn._senders
@@ -429,23 +368,20 @@ async def send(conn: Connection, data: Any, ctx: SendContext, lock: _Lock | None
         senders = conn._senders = {}
     sender = senders.get(loop)
     if sender is None:  # nothing in flight from this loop: all of it now, if there is room
-        held: list[bool] = []
         try:
-            if (lock is None or _take(lock, held)) and conn.try_send_frame(data, ctx.wire_fds()):
+            if conn.try_send_frame(data, ctx.wire_fds()):
                 ctx.release()
                 return
-            job = _Job(data, ctx, lock, loop.create_future())
+            job = _Job(data, ctx, loop.create_future())
         except BaseException as e:
             ctx.release()
             if isinstance(e, OSError):
                 data = None  # see send_error
                 raise send_error(e, what)
             raise
-        finally:
-            if held and lock is not None: lock.release()  # noqa: E701
         sender = senders[loop] = _Sender(conn, loop)
     else:
-        job = _Job(data, ctx, lock, loop.create_future())
+        job = _Job(data, ctx, loop.create_future())
     sender.jobs.append(job)
     if sender.task is None:
         sender.task = loop.create_task(sender.run(what))

@@ -257,7 +257,7 @@ class Connection(_StdConnection):
         self._check_closed()
         self._check_writable()
         data, ctx = dumps_to_send(obj, "send() failed")
-        await _aio.send(self, data, ctx, None, "send() failed")
+        await _aio.send(self, data, ctx, "send() failed")
 
     async def recv_async(self) -> Any:
         """:meth:`recv`, awaited: waits for the socket to be readable in the running event
@@ -268,7 +268,7 @@ class Connection(_StdConnection):
         from . import _aio  # asyncio loads with the first awaitable call
         self._check_closed()
         self._check_readable()
-        await _aio.read_frame(self, None)
+        await _aio.read_frame(self)
         return self._frames.take(_reductions.loads, self._private)
 
     def _writer_socket(self) -> socket.socket:

@@ -553,23 +553,6 @@ async def _retried(attempt: Callable[[], _T], exc: type[Exception],
         pause = min(pause * 2, _RETRY_MAX)
 
 
-class ReadTurn:
-    """This process's side of a socket queue's read lock, which ``_aio.read_frame``
-    takes as its ``turn``.  No queue of this module reads a socket now (each reads a
-    channel, whose turn is ``Channel.turn``): kept for ``_aio``'s parameter.
-
-    ``lock`` lets one thread of this process read at a time; ``kept`` holds the read
-    lock this process keeps while a frame stays part-read."""
-
-    __slots__ = ("lock", "kept", "__weakref__")
-
-    KEPT = (("rlock", False),)  # ``kept.pop``'s arguments: take the kept lock over, or not
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.kept: dict[str, bool] = {}
-
-
 @final
 class _Sending:
     """Who takes frames off a queue's buffer to send them: the feeder, or a put helping

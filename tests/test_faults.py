@@ -89,26 +89,3 @@ def test_random_sigkill_of_a_pool_worker(strategy, seed, lc):
     for pid in pids:
         named, mapped = _wait_clean(pid)
         assert not named and not mapped, (named, mapped)
-
-
-def test_terminate_returns_when_a_killed_worker_held_the_result_lock(lc):
-    # A worker killed while sending a result keeps the result queue's write lock for good;
-    # terminating the broken pool must not wait for it (seen in the random test above).
-    ctx = smp.get_context("spawn")
-    pool = ctx.Pool(1)
-    worker = pool._pool[0]
-    lc.check_pid(worker.pid)
-    call = pool.apply_async(helpers.sleep_forever)
-    ready = ctx.Event()
-    holder = ctx.Process(target=helpers.die_holding, args=(pool._outqueue._wlock, ready))
-    holder.start()
-    assert ready.wait(JOIN)
-    os.kill(holder.pid, signal.SIGKILL)
-    holder.join(JOIN)
-    os.kill(worker.pid, signal.SIGKILL)
-    with pytest.raises(smp.WorkerLostError):
-        call.get(timeout=JOIN)
-    t = time.monotonic()
-    pool.terminate()
-    pool.join()
-    assert time.monotonic() - t < 10

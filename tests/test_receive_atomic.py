@@ -29,7 +29,7 @@ import shmtensor.multiprocessing as smp
 from shmtensor import _connection, _queues, _reductions, _segments, _wire
 from shmtensor.ipc import ofd_lease, posix_shm, scm_rights
 
-from helpers import exit_once_segments_freed, stall_mid_frame, stall_mid_message
+from helpers import exit_once_segments_freed, stall_mid_message
 
 JOIN = 60
 # the channel's receive and the load: unpickling, holds, mappings and the receive cache
@@ -457,21 +457,12 @@ def test_a_thread_waiting_to_get_takes_the_message_another_thread_gave_up_on(sim
     got: list = []
     finish = None
     try:
-        if simple:
-            rest = stall_mid_frame(q, queue_counted=False)
-            # a SimpleQueue's get has no timeout: an exception mid-frame leaves it part-read
-            with pytest.raises(TimeoutError):
-                _read_locked_until(q, 0.2)
-        else:
-            finish = stall_mid_message(q)
-            with pytest.raises(Empty):
-                q.get(timeout=0.2)
+        finish = stall_mid_message(q)
+        with pytest.raises(Empty):
+            q.get(timeout=0.2)
         t = threading.Thread(target=lambda: got.append(q.get()))
         t.start()  # waits for its turn (or the message), then takes the message
-        if simple:
-            q._writer._sock.sendall(rest)
-        else:
-            finish()
+        finish()
         t.join(JOIN)
         assert not t.is_alive() and got and got[0][0] == "late"
         q.put("after")
@@ -484,11 +475,3 @@ def test_a_thread_waiting_to_get_takes_the_message_another_thread_gave_up_on(sim
             q.join_thread()
 
 
-def _read_locked_until(q, seconds):
-    """A SimpleQueue get cut short mid-frame, as a signal handler's exception would."""
-    return _queues._read_locked(q._reader, q._rlock, q._turn, (),
-                                time.monotonic() + seconds) or _raise_timeout()
-
-
-def _raise_timeout():
-    raise TimeoutError
