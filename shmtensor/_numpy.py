@@ -214,6 +214,8 @@ def _plain_loads(data: Payload, fds: list[int]) -> np.ndarray:
         dt = _named_dtypes.get(name)
         if dt is None:
             dt = np.dtype(name.decode())
+            if dt.hasobject:  # numpy would read the bytes as object pointers
+                raise TypeError(f"dtype {dt} holds Python objects")
             if len(_named_dtypes) < 256:
                 _named_dtypes[name] = dt
         a: np.ndarray = np.ndarray(layout[:ndim], dt, bytearray(memoryview(data)[at + n:]),

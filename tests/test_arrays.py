@@ -305,6 +305,11 @@ def test_a_malformed_plain_array_message_is_an_unpickling_error_and_closes_its_f
             _reductions.loads(data[:cut], [])
     with pytest.raises(pickle.UnpicklingError, match="unknown message kind"):
         _reductions.loads(data[:1], [])
+    for name in (b"|O", b"i4,O"):  # an object dtype would read its bytes as pointers
+        head = _reductions.PLAIN_LANE + bytes([0, 1, len(name)])
+        bad = head + (1).to_bytes(8, "little") + (8).to_bytes(8, "little") + name + bytes(8)
+        with pytest.raises(pickle.UnpicklingError, match="holds Python objects"):
+            _reductions.loads(bad, [])
     r, w = os.pipe()
     with pytest.raises(pickle.UnpicklingError, match="came with 2 fds"):
         _reductions.loads(data, [r, w])
