@@ -20,6 +20,7 @@ table file, one in-flight lock description and, for memfds, the segment fds (see
 
 from __future__ import annotations
 
+import math
 import pickle
 import struct
 from collections.abc import Callable
@@ -155,6 +156,8 @@ def _plain_dumps(a: np.ndarray) -> tuple[bytes, _wire.SendContext] | None:
     """A plain array by value, as the pickler would send it inline, or None (over the
     threshold: copied into a segment; a dtype its string does not name)."""
     dt = a.dtype
+    if dt.metadata is not None:  # equal to the dtype without it: never looked up
+        return None
     name = _dtype_names.get(dt)
     if name is None:
         if type(_dt(dt)) is not str or dt.hasobject or not dt.itemsize:
@@ -205,7 +208,11 @@ def lane_loads(data: Payload, fds: list[int]) -> np.ndarray:
 
 def _plain_loads(data: Payload, fds: list[int]) -> np.ndarray:
     """The array of a plain lane message: its bytes in a buffer of its own, writeable
-    unless it was sent read-only (as numpy's pickle of it would arrive)."""
+    unless it was sent read-only (as numpy's pickle of it would arrive).  Nothing of the
+    header is trusted: the bytes must be exactly the array's, and its strides those of a
+    C- or F-ordered block (any on an axis of length 1), so the array addresses only them
+    (numpy's own check of given strides can overflow, and checks nothing for an empty
+    buffer); an array of no items has no buffer."""
     try:
         _, readonly, ndim, n = _PLAIN_HEAD.unpack_from(data)
         layout = _shapes[ndim].unpack_from(data, _PLAIN_HEAD.size)
@@ -218,8 +225,16 @@ def _plain_loads(data: Payload, fds: list[int]) -> np.ndarray:
                 raise TypeError(f"dtype {dt} holds Python objects")
             if len(_named_dtypes) < 256:
                 _named_dtypes[name] = dt
-        a: np.ndarray = np.ndarray(layout[:ndim], dt, bytearray(memoryview(data)[at + n:]),
-                                   0, layout[ndim:])
+        shape, strides = layout[:ndim], layout[ndim:]
+        if readonly > 1 or min(shape, default=0) < 0 or len(data) - at - n != (
+                dt.itemsize * math.prod(shape)):
+            raise ValueError("its header does not describe its bytes")
+        if 0 in shape:  # no item: no buffer, nothing addressed
+            a: np.ndarray = np.ndarray(shape, dt, strides=strides)
+        elif _addresses_a_block(shape, strides, dt.itemsize):
+            a = np.ndarray(shape, dt, bytearray(memoryview(data)[at + n:]), 0, strides)
+        else:
+            raise ValueError("its strides do not address its bytes")
     except (struct.error, IndexError, ValueError, TypeError, UnicodeDecodeError) as e:
         raise pickle.UnpicklingError(f"a malformed array message ({e}): the sender is not "
                                      "this shmtensor version's, or the channel was written "
@@ -229,6 +244,20 @@ def _plain_loads(data: Payload, fds: list[int]) -> np.ndarray:
     if readonly:
         a.flags.writeable = False
     return a
+
+
+def _addresses_a_block(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """Whether ``strides`` step through ``shape`` as a C- or F-ordered block of items of
+    ``itemsize`` bytes (an axis of length 1 may have any stride: it is never stepped)."""
+    for axes in (range(len(shape) - 1, -1, -1), range(len(shape))):
+        step = itemsize
+        for i in axes:
+            if shape[i] != 1 and strides[i] != step:
+                break
+            step *= shape[i]
+        else:
+            return True
+    return False
 
 
 def _reduce_segment(seg: Segment) -> Reduction:

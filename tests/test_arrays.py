@@ -316,3 +316,39 @@ def test_a_malformed_plain_array_message_is_an_unpickling_error_and_closes_its_f
     for fd in (r, w):
         with pytest.raises(OSError):
             os.fstat(fd)
+
+
+def _plain_message(shape, strides, name, data, readonly=0):
+    import struct
+    return (struct.pack("<2sBBB", _reductions.PLAIN_LANE, readonly, len(shape), len(name))
+            + struct.pack(f"<{2 * len(shape)}q", *shape, *strides) + name + data)
+
+
+@pytest.mark.parametrize("shape, strides, name, data, readonly", [
+    # strides whose extents wrap around int64 pass numpy's own bounds check
+    ((2, 2, 2, 2), (-2**62, -2**62, -2**62, -2**62 + 256), b"u1", bytes(16), 0),
+    ((2, 2), (2**63 - 1, 2**63 - 1), b"u1", bytes(4), 0),
+    ((4096,), (8,), b"<f8", b"", 0),          # no bytes: numpy checks nothing
+    ((2,), (8,), b"<f8", bytes(24), 0),       # bytes left over
+    ((2, 3), (8, 8), b"<f8", bytes(48), 0),   # overlapping items
+    ((2,), (-8,), b"<f8", bytes(16), 0),      # before the buffer
+    ((2,), (8,), b"<f8", bytes(16), 2),       # a flag that is no flag
+    ((-1, -8), (8, 8), b"u1", bytes(8), 0),   # negative lengths
+], ids=["wrapping-strides", "wrapping-strides-2", "no-bytes", "bytes-left-over", "overlapping",
+        "before-the-buffer", "bad-flag", "negative-lengths"])
+def test_a_plain_array_header_that_does_not_describe_its_bytes_is_refused(
+        shape, strides, name, data, readonly):
+    with pytest.raises(pickle.UnpicklingError, match="malformed array message"):
+        _reductions.loads(_plain_message(shape, strides, name, data, readonly), [])
+
+
+def test_a_plain_array_header_may_give_any_stride_to_an_axis_of_length_one():
+    a = _reductions.loads(_plain_message((2, 1, 3), (24, 0, 8), b"<f8", bytes(48)), [])
+    assert a.shape == (2, 1, 3) and a.strides == (24, 0, 8) and not a.any()
+
+
+def test_a_dtype_with_metadata_keeps_it_after_the_same_dtype_went_plain():
+    plain = roundtrip(np.ones(3))
+    dt = np.dtype(np.float64, metadata={"unit": "m"})
+    got = roundtrip(np.ones(3, dt))
+    assert plain.dtype.metadata is None and got.dtype.metadata == {"unit": "m"}
