@@ -538,10 +538,12 @@ class Ring:
             if not nested:
                 _unlock(lock)
 
-    def sync_writers(self, timeout: float | None = None) -> None:
+    def sync_writers(self, timeout: float | None = None,
+                     then: Callable[[], object] | None = None) -> None:
         """Take the writers' lock and let go of it: every write begun before this call
         is then whole (or its writer dead).  ``TimeoutError`` after ``timeout`` seconds
-        (a writer may hold the lock while it waits for room)."""
+        (a writer may hold the lock while it waits for room).  ``then()``: called while
+        the lock is held, so no write is in progress meanwhile."""
         if self._q is None:
             raise self._refusal(0)
         lock = self._base + _W_LOCK
@@ -552,6 +554,8 @@ class Ring:
                 nested = rc == _EDEADLK
                 self._take(lock, rc, _W_SLEEPS_I, True, _deadline(True, timeout),
                            TimeoutError)
+            if then is not None:
+                then()
         except BaseException:
             if not nested:
                 _settle(lock)

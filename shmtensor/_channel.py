@@ -61,6 +61,9 @@ RECORD = 1280  # a 1 KiB array and its pickle fit a record
 # since a wait set it, SYNCED once every write begun before that is whole (see wait_fd)
 _WAITED, _TICKING, _SYNCED = 2, 1, 2
 _SYNC_WAIT = 1.0  # seconds a wait_fd waits for the writers' lock (a writer may wait for room)
+# A receive that waits without a deadline looks for unwritten records' datagrams (see
+# _drop_unwritten) after this many seconds of an empty ring, and again each time after.
+_IDLE_LOOK = 1.0
 
 
 # A side message's tag: this process's pid and a count, so a datagram whose writer died
@@ -227,7 +230,14 @@ class Channel:
             deadline = None if not block or timeout is None else time.monotonic() + timeout
             while not taken:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                self.ring.get(block, left, hook=self._take_record)
+                try:
+                    self.ring.get(block, _IDLE_LOOK if left is None else left,
+                                  hook=self._take_record)
+                except queue.Empty:
+                    if not taken:
+                        self._drop_unwritten()
+                    if not block or deadline is not None:
+                        raise
         number, frame = taken[0]
         if frame.dead:
             self._last[0] = number; del taken[0]  # noqa: E702 (one step)
@@ -289,6 +299,35 @@ class Channel:
         self._spent = spent; self._made = tag; taken.append((number, frame))  # noqa: E702
         self._raw.clear()
         scm_rights.close_fds(spent)
+
+    def _drop_unwritten(self) -> None:
+        """With the ring found empty: close the datagrams of records that were never
+        written (their writer was killed between the two), which no later record's
+        reader has met yet, so that the segments they name are not held meanwhile.
+        Under the writers' lock no write is in progress, so a datagram numbered at or
+        past ``tail`` has no record and never will.  Nothing when a writer holds the
+        lock, or this process has a datagram in hand."""
+        if self._raw or self._taken or not self.ring.empty():
+            return
+        try:
+            self.ring.sync_writers(0.0, self._close_unwritten)
+        except (TimeoutError, OSError):
+            pass  # a writer is writing (its record comes), or the ring closed: next time
+
+    def _close_unwritten(self) -> None:
+        sock, tail = self._side_r, self.ring.tail
+        while True:
+            try:
+                head = sock.recv(_HEAD.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            if len(head) == _HEAD.size and _HEAD.unpack(head)[0] < tail:
+                return  # a written record's (its reader closes it if it is an orphan)
+            raw: list[Any] = []
+            try:
+                raw.extend(starmap(sock.recvmsg, ((_DATAGRAM_MAX, _ANC, _TAKE),)))
+            finally:
+                scm_rights.close_fds(scm_rights._collect(raw)[0])
 
     def _take_tick(self, number: int) -> None:
         """Take record ``number``'s tick off the side socket, if it has one (it was

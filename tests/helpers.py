@@ -333,3 +333,17 @@ def stall_mid_message(q):
         t.join(60)
         assert not t.is_alive(), "the stalled put did not finish"
     return finish
+
+
+def put_and_die_between_datagram_and_record(queue, ready, size):
+    """Put an array on ``queue`` (a channel's) that stops right after its side datagram
+    went out, before its record is written, and wait there to be killed."""
+    from shmtensor import _channel
+    real = _channel.Channel._send_side
+
+    def send_then_stall(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        ready.set()
+        time.sleep(3600)
+    _channel.Channel._send_side = send_then_stall
+    queue.put(np.full(size, 7, dtype=np.int64))

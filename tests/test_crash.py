@@ -3,6 +3,7 @@
 import os
 import signal
 import time
+from queue import Empty
 
 import numpy as np
 import pytest
@@ -56,6 +57,30 @@ def test_sigkill_producer_leaves_nothing(strategy, lc):
     shmtensor.empty_cache()
     named, mapped = _wait_clean(p.pid)
     assert not named and not mapped
+
+
+def test_a_producer_killed_between_datagram_and_record_holds_nothing_after_a_get(
+        strategy, lc):
+    # its datagram has no record, and none comes after it: a get that finds the queue
+    # empty closes it, so the segment it names is not held while the queue lives on
+    ctx = smp.get_context("spawn")
+    q, ready = ctx.Queue(maxsize=4), ctx.Event()
+    p = ctx.Process(target=helpers.put_and_die_between_datagram_and_record,
+                    args=(q, ready, 50_000))
+    p.start()
+    lc.check_pid(p.pid)
+    assert ready.wait(JOIN)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(JOIN)
+    assert p.exitcode == -signal.SIGKILL
+    with pytest.raises(Empty):
+        q.get(timeout=0.2)
+    named, mapped = _wait_clean(p.pid)
+    assert not named and not mapped
+    q.put("after")  # the queue goes on
+    assert q.get(timeout=JOIN) == "after"
+    q.close()
+    q.join_thread()
 
 
 def test_sigkill_consumer_releases_by_dying(strategy, lc):
