@@ -289,13 +289,16 @@ class _ShmQueue(_OnChannel, _QueueBase):
         ctx.release()
         return True
 
+    def _take_failures(self) -> list[BaseException]:
+        failures = self._failures[:]
+        self._failures.clear()
+        return failures
+
     def _raise_failures(self, outcome: str) -> None:
         """Raise the first send failure the feeder recorded (and forget them all)."""
         if not self._failures:
             return
-        with self._notempty:
-            failures = self._failures[:]
-            self._failures.clear()
+        failures = _locked(self._notempty, self._take_failures)
         if len(failures) > 1:
             outcome = f"{len(failures)} messages were dropped this way; {outcome}"
         raise _with_outcome(failures[0], outcome)
@@ -323,9 +326,14 @@ class _ShmQueue(_OnChannel, _QueueBase):
             raise Full
         joinable = getattr(self, "_cond", None)
         if joinable is not None:  # counted first, as the stdlib does, but not held while sending
-            with joinable:
-                self._unfinished_tasks.release()
-        with self._notempty:
+            _locked(joinable, self._unfinished_tasks.release)
+        # the condition's own lock, taken and let go of with no Python frame in between
+        # (see _locked): a signal handler's exception (torch's SIGCHLD handler raises one
+        # when a DataLoader worker dies) never leaves it held by nobody
+        lock: Any = self._notempty._lock  # type: ignore[attr-defined]  # Condition's lock
+        held: list[bool] = []
+        try:
+            held.extend(starmap(lock.acquire, ((),)))
             if self._thread is None:  # on first put, as the stdlib's, even if it sends here
                 try:
                     self._start_thread()
@@ -347,7 +355,12 @@ class _ShmQueue(_OnChannel, _QueueBase):
             self._unsent[0] += 1
             self._buffer.append(item)
             self._notempty.notify()
+        finally:
+            if held: lock.release()  # noqa: E701 (first call of its line)
         self._help_send()
+
+    def _one_sent(self) -> None:
+        self._unsent[0] -= 1
 
     def _help_send(self) -> None:
         """Send what the feeder has not sent yet, in order, as far as the channel takes it
@@ -371,8 +384,7 @@ class _ShmQueue(_OnChannel, _QueueBase):
                 except Exception:
                     return  # the frame is whole: the feeder meets the error and reports it
                 buffer.popleft()
-                with self._notempty:
-                    self._unsent[0] -= 1
+                _locked(self._notempty, self._one_sent)
         finally:
             sending.lock.release()
 
@@ -402,8 +414,7 @@ class _ShmQueue(_OnChannel, _QueueBase):
     def _undo_put(self, joinable: _Joinable | None) -> None:
         """Give back what a put that raised had taken."""
         if joinable is not None:
-            with joinable:
-                self._unfinished_tasks.acquire(False)
+            _locked(joinable, self._unfinished_tasks.acquire, False)
         self._sem.release()
 
     def close(self) -> None:
@@ -526,6 +537,21 @@ def _attach(ring_state: Any, reader: Connection, writer: Connection) -> Channel:
     chan = Channel.attach(ring_state, reader._sock, writer._sock)
     _spin_as_set(chan, reader)
     return chan
+
+
+def _locked(cond: Any, fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` under ``cond``'s lock (a threading or multiprocessing Condition),
+    taken and let go of by C calls alone: ``with cond`` runs its Python ``__enter__`` and
+    ``__exit__``, at whose entry or return a signal handler's exception would leave the
+    lock held by nobody (a put of the main thread, where torch's SIGCHLD handler raises
+    when a DataLoader worker dies, would then hang every later put)."""
+    lock = cond._lock
+    held: list[bool] = []
+    try:
+        held.extend(starmap(lock.acquire, ((),)))
+        return fn(*args)
+    finally:
+        if held: lock.release()  # noqa: E701 (first call of its line)
 
 
 def _spin_as_set(chan: Channel, reader: Connection) -> None:

@@ -367,3 +367,49 @@ def test_a_child_reads_with_its_parents_receive_spin_and_misses_nothing(start_me
         assert p.exitcode == 0
         inq.close()
         outq.close()
+
+
+@pytest.mark.parametrize("joinable", [False, True], ids=["Queue", "JoinableQueue"])
+def test_a_put_cut_short_by_a_signal_handler_leaves_no_lock_held(joinable):
+    # torch's SIGCHLD handler raises in the main thread when a DataLoader worker dies; an
+    # exception raised as a lock's Python-level __enter__/__exit__ returns (where CPython
+    # runs a pending handler) would leave the lock held by nobody: every later put hangs
+    import sys
+    import threading
+
+    class Raised(Exception):
+        pass
+
+    def returns_raise(frame, event, arg):
+        if event == "return":
+            raise Raised
+        return returns_raise
+
+    def tracer(frame, event, arg):
+        code = frame.f_code
+        if code.co_name in ("__enter__", "__exit__") and code.co_filename in (
+                threading.__file__, sys.modules["multiprocessing.synchronize"].__file__):
+            return returns_raise
+        return None
+
+    q = smp.JoinableQueue() if joinable else smp.Queue()
+    try:
+        q.put("warm")  # the feeder started (its start waits on an Event) before the trace
+        assert q.get(timeout=JOIN) == "warm"
+        sys.settrace(tracer)
+        try:
+            q.put("x")
+        except Raised:
+            pass
+        finally:
+            sys.settrace(None)
+        lock = q._notempty._lock  # a plain lock: any thread may let go of it
+        held = not lock.acquire(False)
+        lock.release()  # either way: close() below takes it
+        assert not held, "a put left the queue's lock held"
+        q.put("after")
+        got = [q.get(timeout=JOIN) for _ in range(2)]
+        assert got[-1] == "after"
+    finally:
+        q.close()
+        q.join_thread()
