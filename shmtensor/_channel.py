@@ -315,39 +315,37 @@ class Channel:
             pass  # a writer is writing (its record comes), or the ring closed: next time
 
     def _close_unwritten(self) -> None:
-        sock, tail = self._side_r, self.ring.tail
-        while True:
-            try:
-                head = sock.recv(_HEAD.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return
-            if len(head) == _HEAD.size and _HEAD.unpack(head)[0] < tail:
-                return  # a written record's (its reader closes it if it is an orphan)
-            raw: list[Any] = []
-            try:
-                raw.extend(starmap(sock.recvmsg, ((_DATAGRAM_MAX, _ANC, _TAKE),)))
-            finally:
-                scm_rights.close_fds(scm_rights._collect(raw)[0])
+        tail = self.ring.tail
+        while (front := self._front()) is not None and not 0 <= front[0] < tail:
+            self._drop_front()  # no record has its number, or junk
 
     def _take_tick(self, number: int) -> None:
         """Take record ``number``'s tick off the side socket, if it has one (it was
         written after the first wait_fd): the datagram at the front, looked at first.
         Orphans on the way (numbered below, or a side record's at this number) are
         closed; a later record's datagram is left."""
-        sock = self._side_r
-        while True:
-            try:
-                head = sock.recv(_HEAD.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return  # no tick: written before anyone waited
-            got, tag = _HEAD.unpack(head) if len(head) == _HEAD.size else (-1, -1)
-            if got > number:
-                return  # a later record's
-            raw = [sock.recvmsg(_DATAGRAM_MAX, _ANC, _TAKE)]
-            fds, _ = scm_rights._collect(raw)
-            scm_rights.close_fds(fds)
-            if got == number and tag == 0:
+        while (front := self._front()) is not None and front[0] <= number:
+            self._drop_front()
+            if front == (number, 0):
                 return
+
+    def _front(self) -> tuple[int, int] | None:
+        """The side socket's next datagram's (number, tag), left there: None when there
+        is none, (-1, -1) for junk too short to have them."""
+        try:
+            head = self._side_r.recv(_HEAD.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
+        return cast("tuple[int, int]", _HEAD.unpack(head)) if len(head) == _HEAD.size \
+            else (-1, -1)
+
+    def _drop_front(self) -> None:
+        """Take the side socket's next datagram and close the fds it carries."""
+        raw: list[Any] = []
+        try:
+            raw.extend(starmap(self._side_r.recvmsg, ((_DATAGRAM_MAX, _ANC, _TAKE),)))
+        finally:
+            scm_rights.close_fds(scm_rights._collect(raw)[0])
 
     def _side_frame(self, number: int, big: bool,
                     tag: int) -> tuple[scm_rights.Frame, list[int]]:

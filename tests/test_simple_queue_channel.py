@@ -33,16 +33,21 @@ def _put_after(q, go, x):
     q.put(x)
 
 
-def test_threads_on_both_ends_take_each_message_once():
-    q = smp.get_context("fork").SimpleQueue()
-    got: list = []
+def _consumer(q, got):
+    """A thread body that gets from ``q`` into ``got`` until it gets None."""
     lock = threading.Lock()
 
     def consume():
         while (x := q.get()) is not None:
             with lock:
                 got.append(x)
+    return consume
 
+
+def test_threads_on_both_ends_take_each_message_once():
+    q = smp.get_context("fork").SimpleQueue()
+    got: list = []
+    consume = _consumer(q, got)
     producers = [threading.Thread(target=_put_all, args=(q, [(t, i) for i in range(EACH)]))
                  for t in range(THREADS)]
     consumers = [threading.Thread(target=consume) for _ in range(THREADS)]
@@ -57,7 +62,7 @@ def test_threads_on_both_ends_take_each_message_once():
             t.join(JOIN)
             assert not t.is_alive()
         assert sorted(got) == [(t, i) for t in range(THREADS) for i in range(EACH)]
-        for t in range(THREADS):  # one producer's messages keep their order
+        for t in range(THREADS):  # each producer's messages, each once
             mine = [i for who, i in got if who == t]
             assert len(mine) == EACH
         assert q.empty()
@@ -71,13 +76,7 @@ def test_processes_and_threads_on_both_ends(lc):
     procs = [ctx.Process(target=_put_all, args=(q, [(p, i) for i in range(EACH)]))
              for p in range(2)]
     got: list = []
-    lock = threading.Lock()
-
-    def consume():
-        while (x := q.get()) is not None:
-            with lock:
-                got.append(x)
-
+    consume = _consumer(q, got)
     consumers = [threading.Thread(target=consume) for _ in range(2)]
     try:
         for t in consumers:
