@@ -274,6 +274,65 @@ def test_full_and_empty(chan):
     assert time.monotonic() - began >= 0.1
 
 
+
+def _full_queue(size):
+    q = smp.Queue(size)
+    for i in range(size):
+        q.put(i)
+    deadline = time.monotonic() + JOIN
+    while q.qsize() < size and time.monotonic() < deadline:  # sent (by this thread)
+        time.sleep(0.001)
+    return q
+
+
+def _close(q):
+    q.cancel_join_thread()
+    q.close()
+
+
+def test_a_put_on_a_full_queue_takes_the_room_there_is_at_its_deadline(monkeypatch):
+    """A put waiting for half its queue to be free still takes a place that came free
+    meanwhile when its deadline comes, as a wait on the semaphore would have."""
+    from shmtensor import _queues
+    monkeypatch.setattr(_queues, "ROOM_LOOKS", 60.0)  # only the looks for half the queue
+    q = _full_queue(8)
+    reader = threading.Timer(0.05, lambda: q.get(timeout=JOIN))  # one place of eight
+    try:
+        reader.start()
+        q.put("last", timeout=0.5)
+        reader.join(JOIN)
+        with pytest.raises(queue.Full):
+            q.put("more", timeout=0.05)
+        assert [q.get(timeout=JOIN) for _ in range(8)] == [*range(1, 8), "last"]
+    finally:
+        reader.join(JOIN)
+        _close(q)
+
+
+@pytest.mark.parametrize("looks", [60.0, 0.01], ids=["half free", "stopped reader"])
+def test_a_blocked_put_goes_on_once_half_its_queue_is_free_or_it_stops_looking(
+        monkeypatch, looks):
+    """Producers that outrun their reader refill the queue once half of it is free; a put
+    whose reader took less than that and stopped waits on the semaphore after
+    ``ROOM_LOOKS`` seconds, and a place then is enough."""
+    from shmtensor import _queues
+    monkeypatch.setattr(_queues, "ROOM_LOOKS", looks)
+    q = _full_queue(8)
+    took = 4 if looks > 1 else 1
+    reader = threading.Timer(0.05, lambda: [q.get(timeout=JOIN) for _ in range(took)])
+    done = threading.Event()
+    putter = threading.Thread(target=lambda: (q.put("next"), done.set()), daemon=True)
+    try:
+        reader.start()
+        putter.start()
+        assert done.wait(JOIN), "the put never went on"
+        got = [q.get(timeout=JOIN) for _ in range(8 - took + 1)]
+        assert got == [*range(took, 8), "next"]
+    finally:
+        reader.join(JOIN)
+        putter.join(JOIN)
+        _close(q)
+
 def test_full_side_socket(no_leaks):
     """Datagrams that fill the side socket's buffer before the ring fills: Full without
     block, Full at the deadline with it; nothing half sent, everything sent arrives."""
