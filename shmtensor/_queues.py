@@ -510,8 +510,10 @@ class _ShmQueue(_OnChannel, _QueueBase):
 # that outrun their reader then refill the queue in bursts, each woken about once per
 # half a queue, where a wait on the semaphore wakes one producer for every message taken:
 # a context switch per message, which costs more than the message where processes
-# outnumber CPUs.  A put's deadline is kept: the look at it takes any room.
-ROOM_FIRST, ROOM_MOST, ROOM_LOOKS = 100e-6, 1e-3, 0.05
+# outnumber CPUs.  A put's deadline is kept: the look at it takes any room.  A queue of
+# fewer than ROOM_MIN places waits on the semaphore at once: its bursts would be short,
+# and each look's delay would be paid by a message or two.
+ROOM_FIRST, ROOM_MOST, ROOM_LOOKS, ROOM_MIN = 100e-6, 1e-3, 0.05, 16
 
 
 def _room(sem: BoundedSemaphore, maxsize: int, block: bool, timeout: float | None) -> bool:
@@ -519,6 +521,8 @@ def _room(sem: BoundedSemaphore, maxsize: int, block: bool, timeout: float | Non
     ``sem.acquire(block, timeout)`` does: True once taken, False at the deadline."""
     if not block:
         return False
+    if maxsize < ROOM_MIN:
+        return sem.acquire(True, timeout)
     now = time.monotonic()
     deadline = None if timeout is None else now + max(0.0, timeout)
     until = now + ROOM_LOOKS if deadline is None else min(now + ROOM_LOOKS, deadline)

@@ -295,30 +295,31 @@ def test_a_put_on_a_full_queue_takes_the_room_there_is_at_its_deadline(monkeypat
     meanwhile when its deadline comes, as a wait on the semaphore would have."""
     from shmtensor import _queues
     monkeypatch.setattr(_queues, "ROOM_LOOKS", 60.0)  # only the looks for half the queue
-    q = _full_queue(8)
-    reader = threading.Timer(0.05, lambda: q.get(timeout=JOIN))  # one place of eight
+    q = _full_queue(16)
+    reader = threading.Timer(0.05, lambda: q.get(timeout=JOIN))  # one place of sixteen
     try:
         reader.start()
         q.put("last", timeout=0.5)
         reader.join(JOIN)
         with pytest.raises(queue.Full):
             q.put("more", timeout=0.05)
-        assert [q.get(timeout=JOIN) for _ in range(8)] == [*range(1, 8), "last"]
+        assert [q.get(timeout=JOIN) for _ in range(16)] == [*range(1, 16), "last"]
     finally:
         reader.join(JOIN)
         _close(q)
 
 
-@pytest.mark.parametrize("looks", [60.0, 0.01], ids=["half free", "stopped reader"])
+@pytest.mark.parametrize("size, looks, took", [(16, 60.0, 8), (16, 0.01, 1), (4, 60.0, 1)],
+                         ids=["half free", "stopped reader", "small queue"])
 def test_a_blocked_put_goes_on_once_half_its_queue_is_free_or_it_stops_looking(
-        monkeypatch, looks):
+        monkeypatch, size, looks, took):
     """Producers that outrun their reader refill the queue once half of it is free; a put
     whose reader took less than that and stopped waits on the semaphore after
-    ``ROOM_LOOKS`` seconds, and a place then is enough."""
+    ``ROOM_LOOKS`` seconds, and a place then is enough; so does a put on a queue of fewer
+    than ``ROOM_MIN`` places, at once."""
     from shmtensor import _queues
     monkeypatch.setattr(_queues, "ROOM_LOOKS", looks)
-    q = _full_queue(8)
-    took = 4 if looks > 1 else 1
+    q = _full_queue(size)
     reader = threading.Timer(0.05, lambda: [q.get(timeout=JOIN) for _ in range(took)])
     done = threading.Event()
     putter = threading.Thread(target=lambda: (q.put("next"), done.set()), daemon=True)
@@ -326,12 +327,13 @@ def test_a_blocked_put_goes_on_once_half_its_queue_is_free_or_it_stops_looking(
         reader.start()
         putter.start()
         assert done.wait(JOIN), "the put never went on"
-        got = [q.get(timeout=JOIN) for _ in range(8 - took + 1)]
-        assert got == [*range(took, 8), "next"]
+        got = [q.get(timeout=JOIN) for _ in range(size - took + 1)]
+        assert got == [*range(took, size), "next"]
     finally:
         reader.join(JOIN)
         putter.join(JOIN)
         _close(q)
+
 
 def test_full_side_socket(no_leaks):
     """Datagrams that fill the side socket's buffer before the ring fills: Full without
