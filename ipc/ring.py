@@ -334,9 +334,12 @@ class Ring:
         if record_size % 8 or not _REC_SIZE <= record_size <= 1 << 24:
             raise ValueError(f"a ring's record size must be a multiple of 8 between "
                              f"{_REC_SIZE} and 16 MiB, not {record_size}")
-        fd = os.memfd_create(f"{PREFIX}_ring", os.MFD_CLOEXEC)
+        fd = os.memfd_create(f"{PREFIX}_ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, _RECORDS + capacity * record_size)
+            # its size for good: a process that shrank it would kill every mapper (SIGBUS)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             mem = mmap.mmap(fd, _RECORDS + capacity * record_size)
             try:
                 _HEADER.pack_into(mem, 0, 0, _VERSION, capacity, record_size)

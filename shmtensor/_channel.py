@@ -27,6 +27,7 @@ readable exactly while a record waits.  Until then no record costs a syscall.
 from __future__ import annotations
 
 import errno
+import fcntl
 import itertools
 import mmap
 import os
@@ -166,13 +167,14 @@ class Channel:
             return
         deadline = None if not block or timeout is None else time.monotonic() + timeout
         big = len(data) > SIDE_MAX
-        body: list[int] = []
-        if big:
-            if not block and ring.full():
-                raise queue.Full  # before the body is copied into a memfd for nothing
-            body.append(_memfd_of(data))
-        tag = _new_tag()
+        body: list[int] = []  # the body's memfd: closed however this ends
         try:
+            if big:
+                if not block and ring.full():
+                    raise queue.Full  # before the body is copied into a memfd for nothing
+                _memfd_of(data, body)
+            tag = _new_tag()
+
             def side(number: int) -> None:
                 self._send_side(_HEAD.pack(number, tag), b"" if big else data,
                                 [*body, *fds], block, deadline)
@@ -388,7 +390,14 @@ class Channel:
                     scm_rights.close_fds(fds)
                     return _lost(), []
                 if big:  # the body's memfd, closed once the frame is taken
-                    return scm_rights.Frame(_read_memfd(fds[0]), fds[1:]), fds[:1]
+                    try:
+                        body = _read_memfd(fds[0])
+                    except (OSError, ValueError, MemoryError, OverflowError):
+                        # not a body (a peer's bad fd, or no memory for it): lost, once
+                        raw.clear()
+                        scm_rights.close_fds(fds)
+                        return _lost(), []
+                    return scm_rights.Frame(body, fds[1:]), fds[:1]
                 return scm_rights.Frame(bytes(memoryview(data)[_HEAD.size:]), fds), []
             # an orphan, or junk: numbered past this record (a record's datagram is only
             # read by its reader, after the note): closed either way
@@ -457,19 +466,32 @@ def _lost() -> scm_rights.Frame:
     return lost
 
 
-def _memfd_of(data: bytes) -> int:
-    fd = os.memfd_create("shmtensor_message", os.MFD_CLOEXEC)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+# A long body's memfd is sealed once written: its reader maps a file whose size and bytes
+# no process can change under it (a shrunk mapping would kill the reader with SIGBUS).
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+
+
+def _memfd_of(data: bytes, into: list[int]) -> None:
+    """A sealed memfd holding ``data``, appended to ``into`` in the step that makes it (the
+    caller closes it, whatever is raised after)."""
+    into.extend(map(os.memfd_create, ("shmtensor_message",),
+                    (os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING,)))
+    fd = into[-1]
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)
 
 
 def _read_memfd(fd: int) -> bytes | bytearray:
+    """The body in a sealed memfd; ``ValueError`` for any other fd (not a writer's of this
+    channel)."""
+    try:
+        sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS == _SEALS
+    except OSError:
+        sealed = False  # not a memfd
+    if not sealed:
+        raise ValueError("a long message's body came in a file that is not a sealed memfd")
     size = os.fstat(fd).st_size
     if not size:
         return b""

@@ -235,7 +235,9 @@ def _plain_loads(data: Payload, fds: list[int]) -> np.ndarray:
             a = np.ndarray(shape, dt, bytearray(memoryview(data)[at + n:]), 0, strides)
         else:
             raise ValueError("its strides do not address its bytes")
-    except (struct.error, IndexError, ValueError, TypeError, UnicodeDecodeError) as e:
+    # (numpy parses some dtype strings as Python literals: SyntaxError)
+    except (struct.error, IndexError, ValueError, TypeError, UnicodeDecodeError,
+            SyntaxError) as e:
         raise pickle.UnpicklingError(f"a malformed array message ({e}): the sender is not "
                                      "this shmtensor version's, or the channel was written "
                                      "by something else") from None

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import signal
 import socket
 import sys
 import threading
@@ -318,6 +319,8 @@ class _ShmQueue(_OnChannel, _QueueBase):
         except MemoryError:  # ShmSpaceError included: it says what to do
             raise
         except Exception as e:  # cannot be pickled: reported by the feeder, as in the stdlib
+            if _raised_by_a_signal_handler(e):
+                raise  # the caller's, as the stdlib's put (which pickles in the feeder) has it
             data, ctx = None, None
             item = _Unpicklable(e, obj)
         if not self._sem.acquire(False) and not _room(self._sem, self._maxsize, block,
@@ -372,9 +375,15 @@ class _ShmQueue(_OnChannel, _QueueBase):
         ``_Sending.WAIT``, and a frame the channel does not take now (full, too large, or
         an error) is left to the feeder, which reports errors as the stdlib's does."""
         sending, buffer = self._sending, self._buffer
-        if not buffer or not sending.lock.acquire(True, sending.WAIT):
+        if not buffer:
             return
+        # taken and let go of by C calls alone (see _locked): a signal handler's exception
+        # at a call's return never leaves the feeder waiting for it for good
+        held: list[bool] = []
         try:
+            held.extend(starmap(sending.lock.acquire, ((True, sending.WAIT),)))
+            if not held[0]:
+                return
             while buffer:
                 item = buffer[0]
                 if type(item) is not Frame or len(item.data) > scm_rights.ATOMIC_MAX:
@@ -387,7 +396,7 @@ class _ShmQueue(_OnChannel, _QueueBase):
                 buffer.popleft()
                 _locked(self._notempty, self._one_sent)
         finally:
-            sending.lock.release()
+            if held and held[0]: sending.lock.release()  # noqa: E701 (first call of its line)
 
     async def put_async(self, obj: object, block: bool = True,
                         timeout: float | None = None) -> None:
@@ -435,7 +444,9 @@ class _ShmQueue(_OnChannel, _QueueBase):
         class's :meth:`_feed`."""
         debug("Queue._start_thread()")
         self._buffer.clear()
-        self._thread = threading.Thread(
+        # made and started before it is the queue's: a put cut short (a signal handler's
+        # exception) before the start leaves no unstarted thread for later puts to trust
+        thread = threading.Thread(
             target=type(self)._feed,
             args=(self._buffer, self._notempty, self._reader.close, self._writer.close, self._ignore_epipe,
                   self._on_queue_feeder_error, self._sem, self._unsent,
@@ -443,10 +454,23 @@ class _ShmQueue(_OnChannel, _QueueBase):
                   self._chan),
             name="QueueFeederThread", daemon=True)
         try:
-            self._thread.start()
-        except BaseException:  # gh-109047: creating a thread can fail at finalization
-            self._thread = None
+            thread.start()
+        except BaseException:
+            # gh-109047: creating a thread can fail at finalization; but a signal handler's
+            # exception in start's wait for the new thread leaves it running, and it is
+            # this queue's feeder all the same (forgotten, a second one would race it, and
+            # join_thread would never see it end)
+            # (the thread may also have died starting: threading's own cleanup of the
+            # cut-short start removes what the new thread looks for; it then never feeds)
+            if self._sending.feeding.wait(1.0):
+                self._thread = thread
+                self._feeder_finalizers()
             raise
+        self._thread = thread  # (a Python call's return runs no signal handler before it)
+        self._feeder_finalizers()
+
+    def _feeder_finalizers(self) -> None:
+        """The stdlib's finalizers of a started feeder: joined at exit, sent its sentinel."""
         if not self._joincancelled:
             # (the stdlib's private finalizers are not in its stubs)
             self._jointhread = Finalize(self._thread, _mpq.Queue._finalize_join,  # type: ignore[attr-defined]
@@ -468,6 +492,7 @@ class _ShmQueue(_OnChannel, _QueueBase):
         room for now goes back to the head of the buffer while the feeder waits for room,
         so that a ``put`` can send it meanwhile (see ``_help_send``)."""
         debug("starting thread to feed data to pipe")
+        sending.feeding.set()
         waits = 0  # tries in a row that found the channel full
         while True:
             with notempty:
@@ -534,6 +559,23 @@ def _room(sem: BoundedSemaphore, maxsize: int, block: bool, timeout: float | Non
             return True
         now = time.monotonic()
     return sem.acquire(True, None if deadline is None else max(0.0, deadline - now))
+
+
+def _raised_by_a_signal_handler(e: BaseException) -> bool:
+    """Whether ``e`` came through a Python signal handler installed now (one that raised
+    while ``put`` pickled): not a pickling error, whatever it is."""
+    codes = []
+    for signum in signal.valid_signals():
+        handler = signal.getsignal(signum)
+        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
+        if code is not None:
+            codes.append(code)
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in codes:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _count(frame: scm_rights.Frame, sem: BoundedSemaphore) -> None:
@@ -617,12 +659,13 @@ class _Sending:
     """Who takes frames off a queue's buffer to send them: the feeder, or a put helping
     it (``lock``)."""
 
-    __slots__ = ("lock",)
+    __slots__ = ("lock", "feeding")
 
     WAIT = 0.005  # seconds a put waits for the feeder's turn
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.feeding = threading.Event()  # set by the feeder as it begins
 
 
 def _try_send(item: Frame, chan: Channel) -> bool:

@@ -66,7 +66,8 @@ class SendContext:
         self.fds = []
 
     def __del__(self) -> None:
-        if self.owned:  # never sent, nor released
+        # never sent, nor released (nothing, if __init__ was cut short before ``owned``)
+        if getattr(self, "owned", None):
             self.release()
 
 

@@ -795,7 +795,7 @@ def test_a_full_channel_refuses_a_long_body_before_copying_it(chan, monkeypatch)
     for i in range(chan.ring.capacity):
         chan.send(b"x%d" % i)
     copies = []
-    monkeypatch.setattr(_channel, "_memfd_of", lambda data: copies.append(1) or memfd_of(data))
+    monkeypatch.setattr(_channel, "_memfd_of", lambda data, into: copies.append(1))
     for _ in range(3):
         with pytest.raises(queue.Full):
             chan.send(bytes(SIDE_MAX + 1), block=False)
@@ -832,3 +832,32 @@ def test_a_datagram_numbered_past_its_record_is_dropped_and_the_record_read(chan
         os.close(r)
         if w >= 0:
             os.close(w)
+
+
+@pytest.mark.parametrize("body", ["directory", "unsealed memfd", "regular file"])
+def test_a_long_body_in_a_file_that_is_not_a_sealed_memfd_is_lost_once(chan, body, tmp_path):
+    """A peer that writes a long message's record and datagram itself, with a body fd that
+    is a directory, a memfd it could still shrink under the reader, or a (sparse, 1 GiB)
+    file: ``Lost`` once, its fd closed, and the messages after it arrive."""
+    before = fds()
+    if body == "directory":
+        fd = os.open(tmp_path, os.O_RDONLY)
+    elif body == "unsealed memfd":
+        fd = memfd_of(b"x" * (SIDE_MAX + 1))
+    else:
+        fd = os.open(tmp_path / "sparse", os.O_RDWR | os.O_CREAT)
+    tag = 99
+    try:
+        if body == "regular file":
+            os.ftruncate(fd, 1 << 30)
+        def side(number):
+            chan._side_w.sendmsg([_channel._HEAD.pack(number, tag)],
+                                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
+        chan.ring.put(_channel._BIG + _channel._TAG.pack(tag), hook=side)
+    finally:
+        os.close(fd)
+    chan.send(b"after" * 1000)
+    with pytest.raises(Lost):
+        receive(chan)
+    assert receive(chan) == (b"after" * 1000, [])
+    assert fds() <= before, "the bad body's fd was kept"

@@ -4,6 +4,7 @@ import contextlib
 import concurrent.futures
 import os
 import time
+from queue import Empty
 
 import numpy as np
 import pytest
@@ -413,3 +414,129 @@ def test_a_put_cut_short_by_a_signal_handler_leaves_no_lock_held(joinable):
     finally:
         q.close()
         q.join_thread()
+
+
+def test_a_queue_still_works_after_a_signal_handler_raised_all_through_its_puts():
+    """A SIGALRM handler raising every 20-400 us while the main thread puts (small
+    messages, arrays copied into segments, bodies the feeder sends) and gets: afterwards
+    this thread and another can still put and get.  A lock taken by a Python-level call
+    whose return the handler interrupted (the put's help to the feeder) would leave the
+    feeder waiting for good, and every later message unsent."""
+    import random
+    import signal
+    import threading
+
+    class Alarm(Exception):
+        pass
+
+    armed = [False]
+
+    def handler(signum, frame):
+        if armed[0]:
+            raise Alarm
+
+    rng = random.Random(7)
+    q = smp.get_context("fork").Queue()
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        end = time.monotonic() + 3.0
+        i = 0
+        while time.monotonic() < end:
+            i += 1
+            message = (i, np.full(8, i)) if i % 3 == 0 else (
+                (i, np.full(10_000, i)) if i % 3 == 1 else (i, b"y" * 70_000))
+            try:
+                armed[0] = True
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(20e-6, 400e-6))
+                try:
+                    q.put(message)
+                    q.get(True, 0.001)
+                except (Alarm, Empty):
+                    pass
+            except Alarm:
+                pass
+            finally:
+                armed[0] = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        signal.signal(signal.SIGALRM, old)
+    try:
+        while True:
+            q.get(timeout=1.0)  # what is left (a message may have been lost: a put raised)
+    except Empty:
+        pass
+    q.put("after")
+    assert q.get(timeout=JOIN) == "after", "the queue stopped delivering"
+    got = []
+    t = threading.Thread(target=lambda: (q.put("thread"), got.append(q.get(timeout=JOIN))))
+    t.start()
+    t.join(JOIN)
+    assert got == ["thread"] and not t.is_alive()
+    q.close()
+    q.join_thread()
+
+
+def test_a_signal_handlers_exception_while_put_pickles_is_raised_by_put():
+    """An exception a signal handler raises while ``put`` pickles (a SIGCHLD handler that
+    says a worker died, an alarm that ends a wait) is the caller's: ``put`` raises it and
+    queues nothing, instead of reporting it as an object that cannot be pickled."""
+    import signal
+
+    class Alarm(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Alarm
+
+    class Slow:
+        def __reduce__(self):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            for _ in range(1000):  # the handler runs at one of these steps
+                pass
+            return (int, ())
+
+    errors = []
+    q = smp.Queue()
+    q._on_queue_feeder_error = lambda e, obj: errors.append(e)
+    old = signal.signal(signal.SIGUSR1, handler)
+    try:
+        with pytest.raises(Alarm):
+            q.put(Slow())
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    q.put("after")
+    assert q.get(timeout=JOIN) == "after"
+    assert not errors, "the handler's exception was taken for a pickling error"
+    q.close()
+    q.join_thread()
+
+
+def test_a_feeder_whose_start_was_cut_short_is_still_the_queues_only_feeder(monkeypatch):
+    """A signal handler's exception in ``Thread.start``'s wait for the new feeder (the
+    first put's) leaves that thread running: the queue keeps it as its feeder, starts no
+    second one, and ``join_thread`` sees it end."""
+    import threading
+
+    class Alarm(Exception):
+        pass
+
+    start = threading.Thread.start
+
+    def cut_short(self):
+        start(self)
+        if self.name == "QueueFeederThread":
+            raise Alarm
+
+    before = {t for t in threading.enumerate() if t.name == "QueueFeederThread"}
+    q = smp.Queue()
+    monkeypatch.setattr(threading.Thread, "start", cut_short)
+    with pytest.raises(Alarm):
+        q.put("first")
+    monkeypatch.setattr(threading.Thread, "start", start)
+    q.put("second")  # (a put that raises has queued nothing)
+    assert q.get(timeout=JOIN) == "second"
+    feeders = {t for t in threading.enumerate() if t.name == "QueueFeederThread"} - before
+    assert len(feeders) == 1, f"{len(feeders)} feeders for one queue"
+    q.close()
+    q.join_thread()
+    assert not any(t.is_alive() for t in feeders)

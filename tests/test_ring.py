@@ -208,6 +208,19 @@ def test_full_and_empty(no_leaks):
         assert flag(ring, ringmod._R_SLEEPS) == flag(ring, ringmod._W_SLEEPS) == 0
 
 
+def test_no_process_can_resize_a_ring(no_leaks):
+    """A ring's memfd is sealed at its size: a process holding its fd (a buggy or hostile
+    peer) cannot shrink it under the processes that map it, which would kill them with
+    SIGBUS, nor grow it."""
+    with Ring.create(3) as ring:
+        size = os.fstat(ring.fd).st_size
+        for new in (0, size // 2, size * 2):
+            with pytest.raises(PermissionError):
+                os.ftruncate(ring.fd, new)
+        ring.put(b"still")
+        assert ring.get(timeout=JOIN) == b"still"
+
+
 def _put_one(ring: Ring, data: bytes) -> None:
     ring.put(data, timeout=JOIN)
 
