@@ -538,7 +538,7 @@ class _ShmQueue(_OnChannel, _QueueBase):
 # outnumber CPUs.  A put's deadline is kept: the look at it takes any room.  A queue of
 # fewer than ROOM_MIN places waits on the semaphore at once: its bursts would be short,
 # and each look's delay would be paid by a message or two.
-ROOM_FIRST, ROOM_MOST, ROOM_LOOKS, ROOM_MIN = 100e-6, 1e-3, 0.05, 16
+ROOM_FIRST, ROOM_MOST, ROOM_LOOKS, ROOM_MIN = 100e-6, 1e-3, 0.05, 32
 
 
 def _room(sem: BoundedSemaphore, maxsize: int, block: bool, timeout: float | None) -> bool:

@@ -295,21 +295,21 @@ def test_a_put_on_a_full_queue_takes_the_room_there_is_at_its_deadline(monkeypat
     meanwhile when its deadline comes, as a wait on the semaphore would have."""
     from shmtensor import _queues
     monkeypatch.setattr(_queues, "ROOM_LOOKS", 60.0)  # only the looks for half the queue
-    q = _full_queue(16)
-    reader = threading.Timer(0.05, lambda: q.get(timeout=JOIN))  # one place of sixteen
+    q = _full_queue(32)
+    reader = threading.Timer(0.05, lambda: q.get(timeout=JOIN))  # one place of 32
     try:
         reader.start()
         q.put("last", timeout=0.5)
         reader.join(JOIN)
         with pytest.raises(queue.Full):
             q.put("more", timeout=0.05)
-        assert [q.get(timeout=JOIN) for _ in range(16)] == [*range(1, 16), "last"]
+        assert [q.get(timeout=JOIN) for _ in range(32)] == [*range(1, 32), "last"]
     finally:
         reader.join(JOIN)
         _close(q)
 
 
-@pytest.mark.parametrize("size, looks, took", [(16, 60.0, 8), (16, 0.01, 1), (4, 60.0, 1)],
+@pytest.mark.parametrize("size, looks, took", [(32, 60.0, 16), (32, 0.01, 1), (8, 60.0, 1)],
                          ids=["half free", "stopped reader", "small queue"])
 def test_a_blocked_put_goes_on_once_half_its_queue_is_free_or_it_stops_looking(
         monkeypatch, size, looks, took):
