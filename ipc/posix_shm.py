@@ -163,32 +163,44 @@ def create_memfd(name: str, size: int) -> int:
     if not HAVE_MEMFD:
         raise OSError(errno.ENOSYS, "memfd_create is not available on this platform: use the "
                       "file_system sharing strategy")
+    made: list[int] = []  # the fd, stored by the C calls that make it (see _close_made)
     try:
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    except OSError as e:
-        raise fd_limit_error(e, "a new shared-memory segment") from None
-    try:
-        _reserve(fd, size, named=False)
+        try:
+            made.extend(map(os.memfd_create, (name,), (os.MFD_CLOEXEC,)))
+        except OSError as e:
+            raise fd_limit_error(e, "a new shared-memory segment") from None
+        _reserve(made[0], size, named=False)
     except BaseException:
-        os.close(fd)
+        _close_made(made)
         raise
-    return fd
+    return made[0]
 
 
 def create_named(name: str, size: int) -> int:
     """A segment at /dev/shm/NAME (mode 0600, must not exist), every page reserved."""
     path = os.path.join(SHM_DIR, name)
+    made: list[int] = []
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        raise fd_limit_error(e, "a new shared-memory segment") from None
-    try:
-        _reserve(fd, size, named=True)
+        try:
+            made.extend(map(os.open, (path,),
+                            (os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,), (0o600,)))
+        except OSError as e:
+            raise fd_limit_error(e, "a new shared-memory segment") from None
+        _reserve(made[0], size, named=True)
     except BaseException:
-        os.close(fd)
-        unlink_named(name)
+        if made:  # created here (O_EXCL): ours to remove
+            _close_made(made)
+            unlink_named(name)
         raise
-    return fd
+    return made[0]
+
+
+def _close_made(made: list[int]) -> None:
+    """Close the fd a create stored in ``made`` by the C calls that made it (``extend`` of
+    a ``map``: no signal handler runs between the open and the store, so an exception a
+    handler raises anywhere after finds it there, never opened and unowned)."""
+    while made:
+        os.close(made.pop())
 
 
 def check_name(name: str) -> str:

@@ -55,11 +55,13 @@ class Room:
 
 
 def _read(path: str) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    made: list[int] = []  # stored by the call chain that opens it (see posix_shm._close_made)
     try:
-        return os.read(fd, 1 << 16)
+        made.extend(map(os.open, (path,), (os.O_RDONLY | os.O_CLOEXEC,)))
+        return os.read(made[0], 1 << 16)
     finally:
-        os.close(fd)
+        for fd in made:
+            os.close(fd)
 
 
 def _stat_value(text: bytes, key: bytes) -> int:
