@@ -286,8 +286,8 @@ def _full_queue(size):
 
 
 def _close(q):
-    q.cancel_join_thread()
     q.close()
+    q.join_thread()  # its feeder gone before the next test looks at this process's fds
 
 
 def test_a_put_on_a_full_queue_takes_the_room_there_is_at_its_deadline(monkeypatch):
