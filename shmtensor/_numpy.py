@@ -34,7 +34,7 @@ from shmtensor.ipc import ofd_lease, scm_rights
 from . import _log, _registry, _segments, _stats, _strategy, _wire
 from ._reductions import NUMPY_LANE, PLAIN_LANE
 from ._segments import FD, Segment
-from ._wire import LaneContext, attach_fd, inflight_index, keep_alive, received_fd, received_lease
+from ._wire import LaneContext, attach_fd, inflight_index, keep_alive, received_lease
 from ._wire import Payload
 
 # What a reducer of this package returns: the rebuild function and its arguments

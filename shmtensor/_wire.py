@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pickle
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any, TypeAlias, cast
 
 from shmtensor.ipc import ofd_lease, scm_rights
