@@ -27,6 +27,7 @@ import sys
 from typing import cast
 
 from . import shm_space
+from .scm_rights import close_fds
 
 __all__ = [
     "PREFIX", "SHM_DIR", "HAVE_MEMFD", "ShmSpaceError", "process_tag", "segment_name", "segment_key",
@@ -163,7 +164,9 @@ def create_memfd(name: str, size: int) -> int:
     if not HAVE_MEMFD:
         raise OSError(errno.ENOSYS, "memfd_create is not available on this platform: use the "
                       "file_system sharing strategy")
-    made: list[int] = []  # the fd, stored by the C calls that make it (see _close_made)
+    # the fd, stored by the C calls that open it (extend of a map: no signal handler runs
+    # between the open and the store), so an exception raised anywhere after finds it here
+    made: list[int] = []
     try:
         try:
             made.extend(map(os.memfd_create, (name,), (os.MFD_CLOEXEC,)))
@@ -171,7 +174,7 @@ def create_memfd(name: str, size: int) -> int:
             raise fd_limit_error(e, "a new shared-memory segment") from None
         _reserve(made[0], size, named=False)
     except BaseException:
-        _close_made(made)
+        close_fds(made)
         raise
     return made[0]
 
@@ -189,18 +192,11 @@ def create_named(name: str, size: int) -> int:
         _reserve(made[0], size, named=True)
     except BaseException:
         if made:  # created here (O_EXCL): ours to remove
-            _close_made(made)
+            close_fds(made)
             unlink_named(name)
         raise
     return made[0]
 
-
-def _close_made(made: list[int]) -> None:
-    """Close the fd a create stored in ``made`` by the C calls that made it (``extend`` of
-    a ``map``: no signal handler runs between the open and the store, so an exception a
-    handler raises anywhere after finds it there, never opened and unowned)."""
-    while made:
-        os.close(made.pop())
 
 
 def check_name(name: str) -> str:

@@ -32,6 +32,8 @@ from __future__ import annotations
 import os
 import time
 
+from .scm_rights import close_fds
+
 __all__ = ["Room", "memory_room", "shm_free", "shortfall", "note_reserved", "forget",
            "cgroup_margin"]
 
@@ -55,13 +57,12 @@ class Room:
 
 
 def _read(path: str) -> bytes:
-    made: list[int] = []  # stored by the call chain that opens it (see posix_shm._close_made)
+    made: list[int] = []  # stored by the C calls that open it (see posix_shm.create_memfd)
     try:
         made.extend(map(os.open, (path,), (os.O_RDONLY | os.O_CLOEXEC,)))
         return os.read(made[0], 1 << 16)
     finally:
-        for fd in made:
-            os.close(fd)
+        close_fds(made)
 
 
 def _stat_value(text: bytes, key: bytes) -> int:
