@@ -216,9 +216,9 @@ def _named_in_main(obj: object) -> bool:
 def _dump(pickler_cls: type[pickle.Pickler], obj: object) -> tuple[bytes, SendContext]:
     ctx = SendContext()
     prev = getattr(_wire.current, "send", None)
-    _wire.current.send = ctx
-    buf = io.BytesIO()
-    try:
+    try:  # set inside: an exception (a signal handler's) at any step leaves it as it was
+        _wire.current.send = ctx
+        buf = io.BytesIO()
         pickler_cls(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
     except BaseException:
         ctx.release()

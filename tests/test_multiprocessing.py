@@ -540,3 +540,24 @@ def test_a_feeder_whose_start_was_cut_short_is_still_the_queues_only_feeder(monk
     q.close()
     q.join_thread()
     assert not any(t.is_alive() for t in feeders)
+
+
+def test_a_pickling_cut_short_before_it_began_leaves_no_message_being_pickled(monkeypatch):
+    """An exception (a signal handler's) right after a message's send context was set and
+    before its pickling began must not leave that context set: every later pickling in
+    the thread (a spawned Process's, which then takes the stdlib's pickler and cannot send
+    a lambda) would take itself for part of that message."""
+    import io
+    from shmtensor import _reductions, _wire
+
+    class Alarm(Exception):
+        pass
+
+    def raising():
+        raise Alarm
+
+    monkeypatch.setattr(_reductions.io, "BytesIO", raising)
+    with pytest.raises(Alarm):
+        _reductions.dumps(("x", 1))
+    monkeypatch.setattr(_reductions.io, "BytesIO", io.BytesIO)
+    assert getattr(_wire.current, "send", None) is None
