@@ -134,6 +134,15 @@ class LeaseTable:
             raise
         self._next = 0
         self._lock = threading.Lock()
+        self._inos: list[int] = []
+
+    def shard(self, slot: int) -> tuple[int, int]:
+        """The fd of ``slot``'s lease file and its inode number: what a reader that was
+        sent that fd once knows the file by."""
+        if not self._inos:
+            self._inos = [os.fstat(fd).st_ino for fd in self.fds]
+        k = slot % SHARDS
+        return self.fds[k], self._inos[k]
 
     def new_slot(self) -> int:
         with self._lock:

@@ -26,13 +26,16 @@ readable exactly while a record waits.  Until then no record costs a syscall.
 
 from __future__ import annotations
 
+import collections
 import errno
 import fcntl
 import itertools
 import mmap
 import os
+import pickle
 import queue
 import select
+import signal
 import socket
 import struct
 import threading
@@ -43,13 +46,28 @@ from itertools import starmap
 from multiprocessing import reduction
 from typing import Any, TypeVar, cast
 
-from shmtensor.ipc import scm_rights
+from shmtensor.ipc import ofd_lease, scm_rights
 from shmtensor.ipc.ring import Ring
+
+from . import _reductions
+from ._wire import Payload, SendContext
 
 _T = TypeVar("_T")
 
 _INLINE, _SIDE, _BIG = b"I", b"S", b"B"
+_ANN, _HELD = b"A", b"H"  # a handle's announce (a side record), and its record without fds
 _TAG = struct.Struct("=Q")  # a side record: its kind, then its datagram's tag
+# an announce: its datagram's tag, the inodes of the memory's memfd and of its lease file
+_ANN_HEAD = struct.Struct("=QQQ")
+# a handle's record without fds: the writer's pid, its fds of the memory's memfd and of
+# the lease file, their inodes, and the reader word it was written under
+_HELD_HEAD = struct.Struct("=IiQiQQ")
+# The ring's user word that names the channel's readers: a generation (16 bits), then the
+# sole reader's process index (16 bits) and pid (32 bits), or pid 0 for several readers;
+# 0 before any read.  Only readers change it, under the readers' lock.
+_READER = 3
+_PID = 0xFFFFFFFF
+_ANNOUNCED_MAX = 1024  # what a writer remembers having announced, per channel
 _HEAD = struct.Struct("=QQ")  # a datagram's head: its record's number, its tag
 SIDE_MAX = 64 << 10  # a body up to this goes in the datagram itself; a longer one in a memfd
 _DATAGRAM_MAX = _HEAD.size + SIDE_MAX
@@ -88,12 +106,26 @@ class Channel:
     """One channel's ends in this process: ``send`` and ``receive`` of (bytes, fds)."""
 
     __slots__ = ("ring", "turn", "waitable", "_side_r", "_side_w", "_taken", "_last", "_raw",
-                 "_made", "_handing", "_pid", "_spent", "_close", "__weakref__")
+                 "_made", "_handing", "_pid", "_spent", "_close", "_keep", "_old", "_mine",
+                 "_announced", "_pending", "_dev", "__weakref__")
 
     def __init__(self, ring: Ring, side_r: socket.socket, side_w: socket.socket) -> None:
         self.ring, self._side_r, self._side_w = ring, side_r, side_w
-        # the ring's fds close with the channel (its sockets are its owner's to close)
-        self._close = weakref.finalize(self, ring.close)
+        # As sole reader: the files (memfds of memory, lease files) writers sent once,
+        # by inode, for records that come without fds; and those of earlier generations,
+        # with the tail after which no record names them.
+        self._keep: dict[int, int] = {}
+        self._old: list[tuple[int, dict[int, int]]] = []
+        # As writer: when each file was announced, and under which reader word; and the
+        # anchors of records sent without fds, kept until ``head`` passes them (their
+        # reader holds the memory by then)
+        self._announced: dict[int, tuple[int, int]] = {}
+        self._pending: collections.deque[tuple[int, object]] = collections.deque()
+        self._dev = -1
+        # the ring's fds close with the channel (its sockets are its owner's to close);
+        # anchors still in flight keep the ring until their records are taken
+        self._close = weakref.finalize(self, _closed, ring, self._pending, self._keep,
+                                       self._old)
         self._close.atexit = False  # a daemon feeder may still be sending at exit
         # whether records tick once someone waits on the fd (see wait_fd): set by the
         # owner in every process that has the channel (a SimpleQueue's are; a Queue's not)
@@ -135,6 +167,7 @@ class Channel:
         self._handing = 0
         self._spent: list[int] = []  # a taken record's memfd, closed by the next receive
         self._pid = os.getpid()
+        self._mine = 0  # the reader word while it names this process as sole reader
         # one thread of this process receives at a time, from receive to take: what a
         # receive took is this process's, and the next receive of any thread hands it over
         self.turn = threading.Lock()
@@ -181,6 +214,76 @@ class Channel:
             ring.put((_BIG if big else _SIDE) + _TAG.pack(tag), block, timeout, hook=side)
         finally:
             scm_rights.close_fds(body)
+
+    def post(self, data: bytes, ctx: SendContext, block: bool = True,
+             timeout: float | None = None) -> None:
+        """Send a message pickled with ``ctx``, as :meth:`send` does with its fds.  A
+        one-array message of memory this process made in a memfd (``ctx.handle``) goes
+        without fds to a channel's sole reader that was sent them once, as a record of
+        its own (see docs/channel-design.md, "fds only when new"): the first message of
+        each memfd (and lease file) to that reader *announces* it (its fds go with it, and
+        the reader keeps them), and each later one names it.  Its anchor (``ctx.keep``) is then kept here
+        until the reader took the record, and so holds the memory meanwhile.  The caller
+        releases ``ctx`` after, as after :meth:`send`."""
+        if self._pending or _lingering:
+            _prune(self._pending, self.ring.head)
+        handle = ctx.handle
+        if handle is None or len(data) > SIDE_MAX:
+            self.send(data, ctx.wire_fds(), block, timeout)
+            return
+        if self._pid != os.getpid():
+            self._forked()
+        ring, user = self.ring, cast(memoryview, self.ring.user)
+        w = user[_READER]
+        if w & _PID and 1 + _HELD_HEAD.size + len(data) <= ring.payload_max:
+            seg_fd, seg_ino, shard_fd, shard_ino = handle
+            record = b"".join((_HELD, _HELD_HEAD.pack(os.getpid(), seg_fd, seg_ino, shard_fd,
+                                                      shard_ino, w), data))
+            try:
+                ring.put(record, block, timeout,
+                         hook=self._named(w, seg_ino, shard_ino, ctx.keep[0], block, timeout))
+                return
+            except _Unknown:
+                w = user[_READER]
+        if not w & _PID:  # no sole reader to announce to
+            self.send(data, ctx.wire_fds(), block, timeout)
+            return
+        fds = ctx.wire_fds()
+        deadline = None if not block or timeout is None else time.monotonic() + timeout
+        tag = _new_tag()
+        announced, inos = self._announced, (handle[1], handle[3])
+
+        def side(number: int) -> None:
+            self._send_side(_HEAD.pack(number, tag), data, fds, block, deadline)
+            _prune(self._pending, ring.head)
+            if len(announced) >= _ANNOUNCED_MAX:
+                announced.clear()
+            noted = (number, user[_READER])
+            for ino in inos:
+                announced[ino] = noted
+        ring.put(_ANN + _ANN_HEAD.pack(tag, *inos), block, timeout, hook=side)
+
+    def _named(self, w: int, seg_ino: int, shard_ino: int, anchor: object, block: bool,
+               timeout: float | None) -> Callable[[int], None]:
+        """The put hook of a record without fds: under the writers' lock, it raises
+        ``_Unknown`` (nothing is written) unless the reader word is still ``w`` and the
+        reader it names took both files' announces under it; else the anchor is kept until
+        the record is taken (what was kept for records taken since is let go of here)."""
+        ring, user, announced, pending = self.ring, self.ring.user, self._announced, \
+            self._pending
+        tick = self._ticker(block, timeout) if self.waitable else None
+
+        def named(number: int) -> None:
+            head = ring.head
+            a, b = announced.get(seg_ino), announced.get(shard_ino)
+            if (cast(memoryview, user)[_READER] != w or a is None or b is None
+                    or a[0] >= head or b[0] >= head or a[1] != w or b[1] != w):
+                raise _Unknown
+            _prune(pending, head)
+            if tick is not None:
+                tick(number)
+            pending.append((number, anchor))
+        return named
 
     def _ticker(self, block: bool, timeout: float | None) -> Callable[[int], None]:
         """The put hook of a record with no datagram on a waitable channel: under the
@@ -282,11 +385,16 @@ class Channel:
         taken = self._taken
         if number <= self._last[0] or (taken and taken[-1][0] >= number):
             return  # taken already by this process (an exception before head moved)
+        if cast(memoryview, self.ring.user)[_READER] != self._mine or not self._mine:
+            self._join()
+        if self._old:
+            self._drop_old(number)
         kind = data[:1]
-        if kind == _INLINE:
+        if kind == _INLINE or kind == _HELD:
             if self.waitable and cast(memoryview, self.ring.user)[_WAITED]:
                 self._take_tick(number)
-            taken.append((number, scm_rights.Frame(data[1:], [])))
+            taken.append((number, scm_rights.Frame(data[1:], []) if kind == _INLINE
+                          else self._held(data)))
             return
         if len(data) < 1 + _TAG.size:  # malformed (not a writer's of this channel): lost
             taken.append((number, _lost()))
@@ -296,11 +404,142 @@ class Channel:
         if frame.dead:
             taken.append((number, frame))
             return
+        if kind == _ANN:
+            frame, spent = self._announce(frame, data)
         # the datagram is the frame's from here on (a lingering copy in _raw is known by
         # its tag), its memfd (if any) in _spent
         self._spent = spent; self._made = tag; taken.append((number, frame))  # noqa: E702
         self._raw.clear()
         scm_rights.close_fds(spent)
+
+    # -- records without fds (see post) ---------------------------------------------------
+
+    def _join(self) -> None:
+        """Before this process takes a record (under the readers' lock): make the reader
+        word name it as the sole reader if no other live process reads, else say there are
+        several; a word that no longer names it retires what it kept."""
+        user, ring, pid = cast(memoryview, self.ring.user), self.ring, os.getpid()
+        w = user[_READER]
+        index = (w >> 32) & 0xFFFF
+        if w & _PID == pid and index == ring.index:
+            new = w  # named already (by another of this process's channels of the ring)
+        elif w == 0 or (w & _PID and not ring.alive(index)):
+            new = _word(w, ring.index, pid)
+        elif w & _PID:
+            new = _word(w, 0, 0)  # another live reader: several
+        else:
+            new = w  # several already
+        if new != w:
+            user[_READER] = new
+        if self._mine and new != self._mine:
+            self._retire()
+        self._mine = new if new & _PID else 0
+
+    def _retire(self) -> None:
+        """What this reader kept becomes old: records up to the tail may name it."""
+        if self._keep:
+            self._old.append((self.ring.tail, dict(self._keep)))
+            self._keep.clear()
+
+    def _drop_old(self, number: int) -> None:
+        """Close kept files of earlier generations that no record from ``number`` on names
+        (a writer is at most one record into a write: none past the tail noted when the
+        generation ended was written under it)."""
+        while self._old and self._old[0][0] < number:
+            fds = list(self._old[0][1].values())
+            del self._old[0]
+            scm_rights.close_fds(fds)
+
+    def _announce(self, frame: scm_rights.Frame,
+                  data: bytes) -> tuple[scm_rights.Frame, list[int]]:
+        """An announce's frame (a one-array message with its fds: the memory's memfd, then
+        an in-flight description of its lease file) and the fds to close once it is
+        taken.  As this channel's sole reader: keep a new fd of the memfd (once: a repeat
+        finds it kept), and attach the memory here, as for a record without fds, which
+        leaves this process a description of the lease file (``ofd_lease``'s holding)
+        through which later records are held; the message's own fds are then spent."""
+        fds = frame.fds
+        if not self._mine or len(fds) != 2 or len(data) < 1 + _ANN_HEAD.size:
+            return frame, []  # loaded as any message (the loader says what is malformed)
+        keep = self._keep
+        seg_ino = _ANN_HEAD.unpack_from(data, 1)[1]
+        if seg_ino not in keep:
+            try:
+                if len(keep) >= _keep_max():
+                    raise OSError(errno.EMFILE, "kept enough")
+                _consume(map(keep.__setitem__, (seg_ino,), map(os.dup, (fds[0],))))
+            except OSError:  # a new generation (writers announce again), kept from empty
+                self._retire()
+                user = cast(memoryview, self.ring.user)
+                user[_READER] = self._mine = _word(user[_READER], self.ring.index,
+                                                   os.getpid())
+                return frame, []
+        return self._attach(frame.data, fds[0], lambda: fds[1]), fds
+
+    def _held(self, data: bytes) -> scm_rights.Frame:
+        """The frame of a record without fds: its memory attached and held here (before
+        ``head`` moves past it), from the files this process keeps, or else opened
+        through its writer's or its sole reader's fds.  An error (but one a signal handler
+        raised, which leaves the record for the next receive) is the frame's, raised as
+        it is taken: the message is lost, and the error says why."""
+        opened: list[int] = []
+        try:
+            if len(data) < 1 + _HELD_HEAD.size:
+                return _Held(b"", None, None, OSError(errno.EBADMSG, "a malformed record"))
+            pid, seg_no, seg_ino, shard_no, shard_ino, w = _HELD_HEAD.unpack_from(data, 1)
+            try:
+                seg_fd = self._kept(seg_ino, pid, seg_no, w, opened)
+            except OSError as e:
+                return _Held(b"", None, None, e)
+            return self._attach(data[1 + _HELD_HEAD.size:], seg_fd,
+                                lambda: self._kept(shard_ino, pid, shard_no, w, opened))
+        finally:
+            scm_rights.close_fds(opened)
+
+    @staticmethod
+    def _attach(payload: Payload, seg_fd: int, lease: Callable[[], int]) -> _Held:
+        """A frame of a one-array message whose memory is attached and held here now (see
+        ``_reductions.held_attach``), or of the error that lost it: the message can never
+        be attached here (no fd or lock to be had, a malformed record).  Any other
+        exception (a signal handler's) goes on, and the record stays for the next
+        receive."""
+        try:
+            anchor, view = _reductions.held_attach(payload, seg_fd, lease)
+        except _FAILURES as e:
+            if _raised_by_a_signal_handler(e):
+                raise
+            return _Held(b"", None, None, OSError(
+                getattr(e, "errno", None) or errno.EBADMSG,
+                f"a shared array on this queue was lost: {e}"))
+        return _Held(payload, anchor, view, None)
+
+    def _kept(self, ino: int, pid: int, fd_no: int, w: int, opened: list[int]) -> int:
+        """This process's fd of the file of inode ``ino``: kept, else opened (into
+        ``opened``) through its writer ``pid``'s fd ``fd_no``, else through an fd of the
+        sole reader that reader word ``w`` names (which keeps the memory's memfd, and a
+        description of the lease file while it holds anything of it)."""
+        fd = self._keep.get(ino, -1)
+        if fd >= 0:
+            return fd
+        for _, old in self._old:
+            if ino in old:
+                return old[ino]
+        if self._dev < 0:
+            self._dev = os.fstat(self.ring.fd).st_dev
+        if _open_file(f"/proc/{pid}/fd/{fd_no}", self._dev, ino, opened):
+            return opened[-1]
+        reader = w & _PID
+        if reader:
+            try:
+                names = os.listdir(f"/proc/{reader}/fd")
+            except OSError:
+                names = []
+            for name in names:
+                if _open_file(f"/proc/{reader}/fd/{name}", self._dev, ino, opened):
+                    return opened[-1]
+        raise OSError(errno.ENOENT, f"it came without fds, and neither its writer (process "
+                      f"{pid}) nor the reader it was sent to (process {reader}) has its "
+                      "memory any more (both exited, or they are in another pid namespace)")
 
     def _drop_unwritten(self) -> None:
         """With the ring found empty: close the datagrams of records that were never
@@ -454,10 +693,122 @@ class Channel:
         fds, _ = scm_rights._collect(self._raw)
         scm_rights.close_fds(fds)
         scm_rights.close_fds(self._spent)
+        _let_go(self._keep, self._old)
+        self._announced.clear()
+        self._pending.clear()  # this process's copies of the parent's anchors
         self._reset()
 
     def close(self) -> None:
         self._close()
+
+
+# What attaching a message's memory raises when it never can be: the message is lost
+_FAILURES = (OSError, ValueError, TypeError, LookupError, AttributeError, EOFError,
+             MemoryError, OverflowError, pickle.UnpicklingError, struct.error)
+
+
+class _Unknown(Exception):
+    """A record without fds would name a file its reader was not sent: announce it."""
+
+
+class _Held(scm_rights.Frame):
+    """The frame of a record without fds: its memory attached (``anchor``, which holds
+    it), loaded by the adapter that attached it, or the error that lost it."""
+
+    __slots__ = ("anchor", "view", "error")
+
+    def __init__(self, data: Payload, anchor: object, view: object,
+                 error: BaseException | None) -> None:
+        super().__init__(data, [])
+        self.anchor, self.view, self.error = anchor, view, error
+
+    def hand_to(self, load: Callable[..., _T], extra: tuple[object, ...]) -> _T:
+        self.started = True
+        if self.error is not None:
+            raise self.error
+        return cast(_T, _reductions.held_load(self.anchor, self.view))
+
+
+def _keep_max() -> int:
+    """Files a sole reader keeps per channel before it starts a new generation: a quarter
+    of the kept budget (the fd limit's share for kept fds), between 4 and 64."""
+    return max(4, min(64, ofd_lease.kept_budget() // 4))
+
+
+def _word(w: int, index: int, pid: int) -> int:
+    """A reader word of the generation after ``w``'s, naming ``pid`` (0: several)."""
+    return ((w >> 48) + 1 & 0xFFFF or 1) << 48 | index << 32 | pid
+
+
+def _open_file(path: str, dev: int, ino: int, into: list[int]) -> bool:
+    """Open ``path`` (a /proc fd link) into ``into`` if it is the file (``dev``, ``ino``)."""
+    try:
+        into.extend(map(os.open, (path,), (os.O_RDWR | os.O_CLOEXEC,)))
+    except OSError:
+        return False
+    st = os.fstat(into[-1])
+    if st.st_ino == ino and st.st_dev == dev:
+        return True
+    scm_rights.close_fds(into[-1:])
+    del into[-1]
+    return False
+
+
+_consume = collections.deque[object](maxlen=0).extend  # runs an iterator out, in C
+
+# Closed channels' anchors of records not yet taken, with their rings: let go of as the
+# records are taken (at later posts), or once no other process has the ring.
+_lingering: list[tuple[Ring, collections.deque[tuple[int, object]]]] = []
+_prune_lock = threading.Lock()
+
+
+def _closed(ring: Ring, pending: collections.deque[tuple[int, object]], keep: dict[int, int],
+            old: list[tuple[int, dict[int, int]]]) -> None:
+    """A channel's end in this process: what it kept closed; anchors of records not yet
+    taken wait in ``_lingering`` with the ring (see _settle_lingering)."""
+    _let_go(keep, old)
+    if pending:
+        try:
+            head = ring.head
+            while pending and pending[0][0] < head:
+                pending.popleft()
+            if pending and ring.peers_alive():
+                _lingering.append((ring, pending))
+                return
+        except (OSError, ValueError):  # closed already
+            pass
+        pending.clear()
+    ring.close()
+
+
+def _let_go(keep: dict[int, int], old: list[tuple[int, dict[int, int]]]) -> None:
+    fds = [*keep.values(), *(fd for _, k in old for fd in k.values())]
+    keep.clear()
+    old.clear()
+    scm_rights.close_fds(fds)
+
+
+def _prune(pending: collections.deque[tuple[int, object]], head: int) -> None:
+    """Let go of the anchors of records taken (numbered below ``head``), and of lingering
+    ones (of closed channels) likewise, or whose ring nobody else has.  One thread at a
+    time (another finds it busy and leaves it for later), so no anchor is let go of for a
+    record not yet taken."""
+    if not _prune_lock.acquire(False):
+        return
+    try:
+        while pending and pending[0][0] < head:
+            pending.popleft()
+        for entry in _lingering[:]:
+            ring, kept = entry
+            head = ring.head
+            while kept and kept[0][0] < head:
+                kept.popleft()
+            if not kept or not ring.peers_alive():
+                kept.clear()
+                _lingering.remove(entry)
+                ring.close()
+    finally:
+        _prune_lock.release()
 
 
 def _lost() -> scm_rights.Frame:
@@ -497,3 +848,20 @@ def _read_memfd(fd: int) -> bytes | bytearray:
         return b""
     with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
         return bytearray(m)
+
+
+def _raised_by_a_signal_handler(e: BaseException) -> bool:
+    """Whether ``e`` came through a Python signal handler installed now (one that raised
+    while ``put`` pickled): not a pickling error, whatever it is."""
+    codes = []
+    for signum in signal.valid_signals():
+        handler = signal.getsignal(signum)
+        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
+        if code is not None:
+            codes.append(code)
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in codes:
+            return True
+        tb = tb.tb_next
+    return False

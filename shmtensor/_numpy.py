@@ -21,6 +21,7 @@ table file, one in-flight lock description and, for memfds, the segment fds (see
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import struct
 from collections.abc import Callable
@@ -149,7 +150,51 @@ def lane_dumps(a: np.ndarray) -> tuple[bytes, _wire.SendContext] | None:
               _dt(a.dtype), not a.flags.writeable)
     _stats.bump("arrays_sent_shared")
     return (NUMPY_LANE + pickle.dumps(fields, pickle.HIGHEST_PROTOCOL),
-            LaneContext(anchor, seg.fd if seg.kind == FD else None, seg.table_id, seg.slot))
+            LaneContext(anchor, seg.fd if seg.kind == FD else None, seg.table_id, seg.slot,
+                        _handle(seg) if seg.own and seg.kind == FD else None))
+
+
+def _handle(seg: Segment) -> tuple[int, int, int, int] | None:
+    """An own memfd segment's (fd, inode, lease shard's fd, its inode): see
+    ``LaneContext.handle``.  Only for slabs: a reader keeps the fds of what it was sent
+    this way (which would pin a segment of its own file after its creator let go of it),
+    and the sender keeps the memory until the reader took the message (which would keep
+    a BatchPool's slot from coming back when the reader lets go)."""
+    fd = seg.fd
+    table = ofd_lease.own_table()
+    if fd is None or not seg.slab or seg.table_id != table.id:
+        return None
+    if not seg.ino:
+        seg.ino = os.fstat(fd).st_ino
+    shard_fd, shard_ino = table.shard(seg.slot)
+    return fd, seg.ino, shard_fd, shard_ino
+
+
+def held_attach(data: Payload, seg_fd: int,
+                lease: Callable[[], int]) -> tuple[np.ndarray, tuple[Any, ...]]:
+    """The segment of a :func:`lane_dumps` message that came without fds (its reader was
+    sent them once), held here: its anchor, and the view's fields for :func:`held_load`.
+    ``seg_fd``: the segment's memfd; ``lease``: gives a description of its lease file,
+    where this process has none (both the caller's)."""
+    (key, kind, size, table_id, slot, *view) = pickle.loads(memoryview(data)[len(NUMPY_LANE):])
+    if kind != FD:
+        raise pickle.UnpicklingError(f"a shared array of kind {kind!r} came without fds")
+    return _segments.attach_held(key, kind, size, table_id, slot, seg_fd, lease), tuple(view)
+
+
+def held_load(anchor: np.ndarray, view: tuple[Any, ...]) -> np.ndarray:
+    """The array of a message :func:`held_attach` attached."""
+    offset, shape, strides, dtype, readonly = view
+    return _rebuild_array(anchor, offset, shape, strides, _dtype(dtype), readonly)
+
+
+def _dtype(dtype: Any) -> np.dtype[Any]:
+    dt = _dtypes.get(dtype) if type(dtype) is str else None
+    if dt is None:
+        dt = np.dtype(dtype)
+        if type(dtype) is str and len(_dtypes) < 256:
+            _dtypes[dtype] = dt
+    return dt
 
 
 def _plain_dumps(a: np.ndarray) -> tuple[bytes, _wire.SendContext] | None:
@@ -196,12 +241,7 @@ def lane_loads(data: Payload, fds: list[int]) -> np.ndarray:
             raise pickle.UnpicklingError(f"a shared array came with {len(fds)} fds")
         # what the segment keeps leaves ``fds`` as it is taken: the finally closes the rest
         anchor = _segments.receive(key, kind, size, table_id, slot, fds, fds)[0]
-        dt = _dtypes.get(dtype) if type(dtype) is str else None
-        if dt is None:
-            dt = np.dtype(dtype)
-            if type(dtype) is str and len(_dtypes) < 256:
-                _dtypes[dtype] = dt
-        return _rebuild_array(anchor, offset, shape, strides, dt, readonly)
+        return _rebuild_array(anchor, offset, shape, strides, _dtype(dtype), readonly)
     finally:
         scm_rights.close_fds(fds)
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import collections
 import errno
-import signal
 import socket
 import sys
 import threading
@@ -58,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, final
 from shmtensor.ipc import scm_rights
 
 from . import _reductions
-from ._channel import Channel, Lost
+from ._channel import Channel, Lost, _raised_by_a_signal_handler
 from ._connection import Connection, dumps_to_send, send_error
 from ._wire import SendContext
 
@@ -280,7 +279,7 @@ class _ShmQueue(_OnChannel, _QueueBase):
         if self._unsent[0] or len(data) > scm_rights.ATOMIC_MAX:
             return False  # a large one is the feeder's to send, as in the stdlib
         try:
-            self._chan.send(data, ctx.wire_fds(), False)
+            self._chan.post(data, ctx, False)
         except Full:
             return False
         except BrokenPipeError:
@@ -561,23 +560,6 @@ def _room(sem: BoundedSemaphore, maxsize: int, block: bool, timeout: float | Non
     return sem.acquire(True, None if deadline is None else max(0.0, deadline - now))
 
 
-def _raised_by_a_signal_handler(e: BaseException) -> bool:
-    """Whether ``e`` came through a Python signal handler installed now (one that raised
-    while ``put`` pickled): not a pickling error, whatever it is."""
-    codes = []
-    for signum in signal.valid_signals():
-        handler = signal.getsignal(signum)
-        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
-        if code is not None:
-            codes.append(code)
-    tb = e.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code in codes:
-            return True
-        tb = tb.tb_next
-    return False
-
-
 def _count(frame: scm_rights.Frame, sem: BoundedSemaphore) -> None:
     """Give the queue's semaphore back once for each frame taken off the socket (a frame
     an exception left for the next get is counted once)."""
@@ -672,7 +654,7 @@ def _try_send(item: Frame, chan: Channel) -> bool:
     """Send a frame if the channel takes it now: True (and its buffer let go), or False
     with nothing sent (the channel full).  An error leaves the frame whole."""
     try:
-        chan.send(item.data, item.ctx.wire_fds(), False)
+        chan.post(item.data, item.ctx, False)
     except Full:
         return False
     item.ctx.release()
@@ -787,7 +769,7 @@ class SimpleQueue(_OnChannel, _SimpleQueueBase):
         self._writer._check_closed()
         data, ctx = dumps_to_send(obj, "put() failed")
         try:
-            self._chan.send(data, ctx.wire_fds())
+            self._chan.post(data, ctx)
         except OSError as e:
             data = None  # type: ignore[assignment]  # see send_error
             raise send_error(e, "put() failed")
@@ -801,9 +783,8 @@ class SimpleQueue(_OnChannel, _SimpleQueueBase):
         from one loop keep their order."""
         self._writer._check_closed()
         data, ctx = dumps_to_send(obj, "put() failed")
-        fds = ctx.wire_fds()
         try:
-            await _retried(lambda: self._chan.send(data, fds, False), Full, None)
+            await _retried(lambda: self._chan.post(data, ctx, False), Full, None)
         except OSError as e:
             data = None  # type: ignore[assignment]  # see send_error
             raise send_error(e, "put() failed")

@@ -352,3 +352,21 @@ def _numpy_lane_loads(data: Payload, fds: list[int]) -> object:
     global _numpy_lane
     from ._numpy import lane_loads as _numpy_lane
     return _numpy_lane(data, fds)  # type: ignore[misc]  # bound by the import above
+
+
+def held_attach(data: Payload, seg_fd: int, lease: Callable[[], int]) -> tuple[Any, Any]:
+    """A one-array message that came without fds (its reader had them: see
+    ``_channel.Channel.post``): its memory, attached and held here, and what
+    :func:`held_load` makes the array of.  Run under the channel's readers' lock, before
+    the message leaves the channel."""
+    if bytes(data[:2]) != NUMPY_LANE:
+        raise pickle.UnpicklingError(f"a message of kind {bytes(data[:2])!r} came without "
+                                     "fds: only a numpy array's may")
+    from ._numpy import held_attach as attach
+    return attach(data, seg_fd, lease)
+
+
+def held_load(anchor: Any, view: Any) -> object:
+    """The array of a message :func:`held_attach` attached."""
+    from ._numpy import held_load as load
+    return load(anchor, view)

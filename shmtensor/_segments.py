@@ -92,7 +92,7 @@ class Segment:
     """One segment mapped in this process, made here (``own``) or attached from elsewhere."""
 
     __slots__ = ("key", "kind", "size", "table_id", "slot", "own", "mm", "fd", "address",
-                 "_anchor", "idle_since", "pinned", "slab", "file", "__weakref__")
+                 "_anchor", "idle_since", "pinned", "slab", "file", "ino", "__weakref__")
 
     key: str  # NAME, or NAME@OFFSET: one of several segments of one file (file_of)
     kind: str  # FD or FS
@@ -108,6 +108,7 @@ class Segment:
     pinned: bool
     slab: bool
     file: _SharedFile | None  # the file it shares with other segments, if any
+    ino: int  # its file's inode number, once asked (handle); 0 until then
 
     def anchor(self, lease: int | list[int] | None = None,
                deferred: Deferred | None = None) -> np.ndarray:
@@ -127,7 +128,9 @@ class Segment:
                     token = self._watch(a)
                     try:
                         ofd_lease.hold(self.table_id, self.slot, lease, deferred, token)
-                    except OSError:  # no lock or fd: nothing held, and nothing to release
+                    # no lock or fd, or no description of the lease file (KeyError):
+                    # nothing held, and nothing to release
+                    except (OSError, KeyError):
                         self._anchor = None
                         raise
         return a
@@ -754,6 +757,31 @@ def receive(key: str, kind: str, size: int, table_id: str, slot: int,
             raise
 
 
+def attach_held(key: str, kind: str, size: int, table_id: str, slot: int, fd: int,
+                lease: Callable[[], int]) -> np.ndarray:
+    """The anchor of segment ``key`` for a message that came without fds: mapped (from a
+    new fd of ``fd``, its memfd, which stays the caller's) if this process has not, and
+    held by a lock through this process's description of its lease file, made from the
+    one ``lease()`` gives (the caller's) if it has none."""
+    fds: list[int] = []
+    try:
+        with _lock:
+            seg = _by_key.get(key)
+            if seg is None or seg.mm is None:
+                fds.extend(map(os.dup, (fd,)))
+            seg, took = _attached(key, kind, size, table_id, slot, fds or [-1])
+            try:
+                try:
+                    return seg.anchor()
+                except KeyError:  # no description of the lease file here
+                    return seg.anchor(lease())
+            except BaseException:
+                _unanchored(seg, took, fds or None)
+                raise
+    finally:
+        close_fds(fds)
+
+
 def _unanchored(seg: Segment, took: bool, fds: list[int] | None = None, i: int = 0) -> None:
     """A received segment whose anchor could not be made (its hold failed: no fd or lock
     left): the message's fd stays the caller's to close (back in ``fds``, at ``i``, when it
@@ -830,6 +858,7 @@ def new_segment(key: str, kind: str, size: int, table_id: str, slot: int, own: b
     seg.pinned = False  # reserved by a BatchPool: never reused by acquire
     seg.slab = False
     seg.file = None
+    seg.ino = 0
     seg.mm = None
     if _sweeper is None:  # settles what dies while anything is mapped (see _sweep)
         # before anything is mapped: an exception starting it (a signal handler's, no

@@ -39,6 +39,8 @@ class SendContext:
 
     __slots__ = ("fds", "owned", "keep", "inflight", "memo", "__weakref__")
 
+    handle: tuple[int, int, int, int] | None = None  # see LaneContext
+
     def __init__(self) -> None:
         self.fds: list[int] = []
         self.owned: list[int] = []   # in-flight lock descriptions: closed once sent
@@ -90,15 +92,21 @@ NO_FDS: SendContext = _NoFds()
 class LaneContext(SendContext):
     """The context of a message sent without a pickler (see ``_Pickler.lanes``): the data
     fd, if any (``fd`` None: none), then one in-flight description of one lease slot,
-    made when the message is sent.  ``keep`` keeps the data fd open until then."""
+    made when the message is sent.  ``keep`` keeps the data fd open until then.
 
-    __slots__ = ("table_id", "slot")
+    ``handle``: for memory this process made in a memfd, (its fd, its inode, the fd and
+    inode of its lease shard), by which a channel may send the message without fds to a
+    reader that has them (``_channel.Channel.post``); ``keep`` is then the anchor that
+    holds the memory until that reader holds it."""
 
-    def __init__(self, keep: object, fd: int | None, table_id: str, slot: int) -> None:
+    __slots__ = ("table_id", "slot", "handle")
+
+    def __init__(self, keep: object, fd: int | None, table_id: str, slot: int,
+                 handle: tuple[int, int, int, int] | None = None) -> None:
         self.keep = [keep]
         self.fds = [-1] if fd is None else [fd, -1]
         self.owned = []
-        self.table_id, self.slot = table_id, slot
+        self.table_id, self.slot, self.handle = table_id, slot, handle
 
     def wire_fds(self) -> list[int]:
         fds = self.fds

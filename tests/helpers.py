@@ -34,6 +34,15 @@ def send_array(queue, event):
     event.wait(60)
 
 
+def send_array_twice(queue, took, event):
+    """``send_array``, the second put once the reader took the first (``took``)."""
+    t = shmtensor.ones((5, 5))
+    queue.put(t)
+    took.wait(60)
+    queue.put(t)
+    event.wait(60)
+
+
 def put_and_exit(queue, n, size):
     for i in range(n):
         queue.put(np.full(size, i, dtype=np.int64))

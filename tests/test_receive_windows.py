@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+from queue import Empty
 
 import pytest
 
@@ -16,7 +17,7 @@ from shmtensor import _segments
 from shmtensor.ipc import ofd_lease
 
 from conftest import JOIN, join_all
-from helpers import send_array
+from helpers import send_array_twice
 
 
 class Interrupt(Exception):
@@ -37,12 +38,19 @@ def _fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
+@pytest.mark.parametrize("sole", [False, True], ids=["with-fds", "without-fds"])
 @pytest.mark.parametrize("where", [(ofd_lease, "hold"), (_segments, "_attached")],
                          ids=["after-the-hold", "after-the-map"])
-def test_an_exception_after_a_load_took_its_fds_leaks_nothing(lc, monkeypatch, where):
+def test_an_exception_after_a_load_took_its_fds_leaks_nothing(lc, monkeypatch, where, sole):
+    # with-fds: the queue has several readers (as far as its writers know), so each array
+    # comes with its fds, which the load takes over; without-fds: this process is its sole
+    # reader, the second array comes with no fds but its first one's, and its memory is
+    # attached as it is taken off the queue
     ctx = smp.get_context("spawn")
-    q, done = ctx.Queue(), ctx.Event()
-    p = ctx.Process(target=send_array, args=(q, done))  # ones((5, 5)), sent twice
+    q, took, done = ctx.Queue(), ctx.Event(), ctx.Event()
+    if not sole:
+        q._chan.ring.user[3] = 1 << 48  # the reader word: several readers
+    p = ctx.Process(target=send_array_twice, args=(q, took, done))  # ones((5, 5)), twice
     p.start()
     try:
         b = q.get(timeout=JOIN)  # the producer's table known here: the baseline is steady
@@ -50,10 +58,21 @@ def test_an_exception_after_a_load_took_its_fds_leaks_nothing(lc, monkeypatch, w
         del b
         fds = _fds()
         monkeypatch.setattr(*where, _then_raise(getattr(*where)))
+        took.set()
         with pytest.raises(Interrupt):
             q.get(timeout=JOIN)
         monkeypatch.undo()
-        assert _fds() == fds  # nothing open twice, nothing left open
+        kept = set()
+        if sole:  # the exception left the message in the queue, for the next get
+            b = q.get(timeout=JOIN)
+            assert b.shape == (5, 5) and (b == 1).all()
+            del b
+            kept = {str(fd) for fd in q._chan._keep.values()}  # the memfd, sent once
+            assert len(kept) == 1
+        else:  # the message was taken off the queue: the exception lost it
+            with pytest.raises(Empty):
+                q.get(timeout=0.2)
+        assert _fds() == fds | kept  # nothing open twice, nothing left open
         holding = ofd_lease._holdings.get(table)
         assert holding is None or not holding.counts, "a hold outlived its anchor"
         assert not [s for s in _segments._by_key.values() if not s.own and s.mm is not None]
