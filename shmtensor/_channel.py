@@ -116,10 +116,10 @@ class Channel:
         # with the tail after which no record names them.
         self._keep: dict[int, int] = {}
         self._old: list[tuple[int, dict[int, int]]] = []
-        # As writer: when each file was announced, and under which reader word; and the
-        # anchors of records sent without fds, kept until ``head`` passes them (their
-        # reader holds the memory by then)
-        self._announced: dict[int, tuple[int, int]] = {}
+        # As writer: the reader word each file was last announced under; and the anchors
+        # of records sent without fds, kept until ``head`` passes them (their reader holds
+        # the memory by then)
+        self._announced: dict[int, int] = {}
         self._pending: collections.deque[tuple[int, object]] = collections.deque()
         self._dev = -1
         # the ring's fds close with the channel (its sockets are its owner's to close);
@@ -258,28 +258,27 @@ class Channel:
             _prune(self._pending, ring.head)
             if len(announced) >= _ANNOUNCED_MAX:
                 announced.clear()
-            noted = (number, user[_READER])
+            w = user[_READER]
             for ino in inos:
-                announced[ino] = noted
+                announced[ino] = w
         ring.put(_ANN + _ANN_HEAD.pack(tag, *inos), block, timeout, hook=side)
 
     def _named(self, w: int, seg_ino: int, shard_ino: int, anchor: object, block: bool,
                timeout: float | None) -> Callable[[int], None]:
         """The put hook of a record without fds: under the writers' lock, it raises
-        ``_Unknown`` (nothing is written) unless the reader word is still ``w`` and the
-        reader it names took both files' announces under it; else the anchor is kept until
-        the record is taken (what was kept for records taken since is let go of here)."""
+        ``_Unknown`` (nothing is written) unless the reader word is still ``w`` and both
+        files were announced under it (the reader it names takes those announces first:
+        records are taken in order); else the anchor is kept until the record is taken
+        (what was kept for records taken since is let go of here)."""
         ring, user, announced, pending = self.ring, self.ring.user, self._announced, \
             self._pending
         tick = self._ticker(block, timeout) if self.waitable else None
 
         def named(number: int) -> None:
-            head = ring.head
-            a, b = announced.get(seg_ino), announced.get(shard_ino)
-            if (cast(memoryview, user)[_READER] != w or a is None or b is None
-                    or a[0] >= head or b[0] >= head or a[1] != w or b[1] != w):
+            if (cast(memoryview, user)[_READER] != w or announced.get(seg_ino) != w
+                    or announced.get(shard_ino) != w):
                 raise _Unknown
-            _prune(pending, head)
+            _prune(pending, ring.head)
             if tick is not None:
                 tick(number)
             pending.append((number, anchor))

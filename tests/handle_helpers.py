@@ -1,0 +1,65 @@
+"""Children of tests/test_channel_handles.py (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+import shmtensor
+
+
+def put_after_first(q, took, n, base=0, exit_at_once=True):
+    """Put ``base``, wait until the reader took it (``took``), then put ``n`` arrays of
+    ``base + 1 ..``: the reader is the queue's sole reader by then, so they go without fds
+    but the first one's.  Returns once everything is in the queue (then exits)."""
+    q.put(shmtensor.full((64,), base, dtype=np.int64))
+    took.wait(60)
+    for i in range(1, n + 1):
+        q.put(shmtensor.full((64,), base + i, dtype=np.int64))
+    q.close()
+    q.join_thread()
+
+
+def put_many(q, n, base, size=128):
+    """Put ``n`` fresh arrays of ``size`` int64 of ``base + i``, each let go of at once."""
+    for i in range(n):
+        q.put(shmtensor.full((size,), base + i, dtype=np.int64))
+    q.close()
+    q.join_thread()
+
+
+def take_two_and_wait(q, took_one, took_two, stop):
+    """Be the queue's sole reader: take two arrays (signalling each), keep them, and wait
+    (to be killed)."""
+    kept = [q.get(timeout=60)]
+    took_one.set()
+    kept.append(q.get(timeout=60))
+    took_two.set()
+    stop.wait(60)
+    del kept
+
+
+def take_all(q, n, out):
+    """Take ``n`` messages; report each array's first value, or the error's text."""
+    got = []
+    for _ in range(n):
+        try:
+            a = q.get(timeout=60)
+            got.append(int(a[0]) if (a == a[0]).all() else ("corrupt", int(a[0])))
+        except OSError as e:
+            got.append(str(e))
+    out.put((os.getpid(), got))
+
+
+def put_six(q, took_one, took_two):
+    """Put 0, then 1 once the reader took it (which announces the slab), then 2 to 5
+    once it took that (without fds), and exit."""
+    q.put(shmtensor.full((64,), 0, dtype=np.int64))
+    took_one.wait(60)
+    q.put(shmtensor.full((64,), 1, dtype=np.int64))
+    took_two.wait(60)
+    for i in range(2, 6):
+        q.put(shmtensor.full((64,), i, dtype=np.int64))
+    q.close()
+    q.join_thread()

@@ -1,0 +1,213 @@
+"""A one-array message of a slab goes without fds to a queue's sole reader that was sent
+them once (docs/channel-design.md, "fds only when new"): the guarantees of a message with
+fds hold (the producer may exit right after ``put``; a second reader, or one that follows
+a dead one, gets them through the writer's or the first reader's fds; nothing corrupt,
+nothing leaked), and a message nobody can attach any more is lost with an error that
+says why, the queue going on."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import shmtensor
+import shmtensor.multiprocessing as smp
+from shmtensor import _channel
+
+from conftest import JOIN, join_all
+from handle_helpers import put_after_first, put_many, put_six, take_all, take_two_and_wait
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """How many records without fds this process took (``Channel._held`` calls)."""
+    calls = [0]
+    real = _channel.Channel._held
+
+    def held(self, data):
+        calls[0] += 1
+        return real(self, data)
+    monkeypatch.setattr(_channel.Channel, "_held", held)
+    return calls
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_arrays_after_the_first_go_without_fds_and_cost_no_fd(lc, counted):
+    ctx = smp.get_context("spawn")
+    q, took = ctx.Queue(), ctx.Event()
+    n = 300
+    p = ctx.Process(target=put_after_first, args=(q, took, n))
+    p.start()
+    first = q.get(timeout=JOIN)
+    assert first[0] == 0
+    took.set()
+    second = q.get(timeout=JOIN)  # announces its slab: its memfd is kept once
+    fds = _fds()
+    got = [second] + [q.get(timeout=JOIN) for _ in range(n - 1)]
+    assert [int(a[0]) for a in got] == list(range(1, n + 1))
+    assert all((a == a[0]).all() for a in got)
+    assert counted[0] >= n - 2  # all but the slab's announce (and one a slab change makes)
+    assert _fds() == fds  # no fd per message, however many are alive
+    join_all(p)
+    assert p.exitcode == 0
+    del first, second, got
+    q.close()
+
+
+def test_a_producer_that_exits_right_after_its_puts_delivers_every_array(lc, counted):
+    ctx = smp.get_context("spawn")
+    q, took = ctx.Queue(), ctx.Event()
+    n = 200
+    p = ctx.Process(target=put_after_first, args=(q, took, n))
+    p.start()
+    assert q.get(timeout=JOIN)[0] == 0
+    took.set()
+    join_all(p)  # gone before its arrays are read: the memory stays for the reader
+    assert p.exitcode == 0
+    got = [q.get(timeout=JOIN) for _ in range(n)]
+    assert [int(a[0]) for a in got] == list(range(1, n + 1))
+    assert all((a == a[0]).all() for a in got)
+    assert counted[0] >= n - 2
+
+
+def test_a_second_reader_gets_what_was_sent_to_the_first_after_its_writer_exited(lc):
+    # the producer sends to this process (the sole reader) and exits; a second reader
+    # takes the arrays: it opens their memory through this process's kept fds
+    ctx = smp.get_context("spawn")
+    q, took, out = ctx.Queue(), ctx.Event(), ctx.Queue()
+    n = 50
+    p = ctx.Process(target=put_after_first, args=(q, took, n))
+    p.start()
+    assert q.get(timeout=JOIN)[0] == 0
+    took.set()
+    join_all(p)
+    assert p.exitcode == 0
+    r = ctx.Process(target=take_all, args=(q, n, out))
+    r.start()
+    pid, got = out.get(timeout=JOIN)
+    join_all(r)
+    assert r.exitcode == 0
+    assert got == list(range(1, n + 1))
+    out.close()
+
+
+def test_a_reader_after_a_killed_sole_reader_gets_arrays_through_their_writer(lc):
+    # The sole reader took this process's first arrays (keeping the slab's memfd), more
+    # went without fds, and the reader was killed: the next reader opens their memory
+    # through their writer (this process).
+    ctx = smp.get_context("fork")
+    q, took_one, took_two, stop = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
+    r = ctx.Process(target=take_two_and_wait, args=(q, took_one, took_two, stop))
+    r.start()
+    q.put(shmtensor.full((64,), 0, dtype=np.int64))  # the reader joins as it takes this
+    assert took_one.wait(JOIN)
+    q.put(shmtensor.full((64,), 1, dtype=np.int64))  # announces the slab; kept by r
+    assert took_two.wait(JOIN)
+    for i in range(2, 6):
+        q.put(shmtensor.full((64,), i, dtype=np.int64))
+    os.kill(r.pid, signal.SIGKILL)
+    join_all(r)
+    assert r.exitcode == -signal.SIGKILL
+    out = ctx.Queue()
+    r2 = ctx.Process(target=take_all, args=(q, 4, out))
+    r2.start()
+    _, got = out.get(timeout=JOIN)
+    join_all(r2)
+    assert r2.exitcode == 0
+    assert got == [2, 3, 4, 5]
+    q.close()
+    out.close()
+
+
+def test_arrays_whose_writer_and_reader_both_died_are_lost_with_an_error(lc):
+    # As above, but their writer exited too: nobody has their memory any more.  Each is
+    # lost with an error that names both processes, and the queue goes on.
+    ctx = smp.get_context("fork")
+    q, took_one, took_two, stop = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
+    r = ctx.Process(target=take_two_and_wait, args=(q, took_one, took_two, stop))
+    w = ctx.Process(target=put_six, args=(q, took_one, took_two))
+    r.start()
+    w.start()
+    join_all(w)
+    assert w.exitcode == 0
+    os.kill(r.pid, signal.SIGKILL)
+    join_all(r)
+    assert r.exitcode == -signal.SIGKILL
+    for _ in range(4):
+        with pytest.raises(OSError, match=f"neither its writer \\(process {w.pid}\\) nor "
+                                          f"the reader it was sent to \\(process {r.pid}\\)"):
+            q.get(timeout=JOIN)
+    q.put("after")
+    assert q.get(timeout=JOIN) == "after"
+    q.close()
+
+
+def test_a_record_naming_memory_it_cannot_find_is_lost_once_with_an_error(lc):
+    # a peer's record without fds that names files nobody has: an OSError that says so,
+    # then the queue goes on
+    ctx = smp.get_context("fork")
+    q = ctx.Queue()
+    head = _channel._HELD_HEAD.pack(os.getpid(), 0, 1, 0, 1, 0)
+    for record in (_channel._HELD + head + b"\0N junk", _channel._HELD + b"short"):
+        assert q._sem.acquire(False)  # as a put takes its place in the queue
+        q._chan.ring.put(record)
+    q.put("after")
+    with pytest.raises(OSError, match="neither its writer"):
+        q.get(timeout=JOIN)
+    with pytest.raises(OSError, match="malformed"):
+        q.get(timeout=JOIN)
+    assert q.get(timeout=JOIN) == "after"
+    q.close()
+
+
+def test_a_reader_that_keeps_too_many_files_starts_a_new_generation(lc, monkeypatch,
+                                                                    counted):
+    # four producers, a slab each, a reader that keeps two files: it starts new
+    # generations (its writers announce again), and keeps no more than two
+    monkeypatch.setattr(_channel, "_keep_max", lambda: 2)
+    ctx = smp.get_context("fork")
+    q = ctx.Queue(64)
+    n = 500
+    ps = [ctx.Process(target=put_many, args=(q, n, k * 100_000)) for k in range(4)]
+    for p in ps:
+        p.start()
+    seen: dict[int, list[int]] = {k: [] for k in range(4)}
+    for _ in range(4 * n):
+        a = q.get(timeout=JOIN)
+        assert (a == a[0]).all()
+        seen[int(a[0]) // 100_000].append(int(a[0]) % 100_000)
+        assert len(q._chan._keep) <= 2
+        del a
+    join_all(*ps)
+    assert all(p.exitcode == 0 for p in ps)
+    assert all(v == list(range(n)) for v in seen.values())
+    assert counted[0] > 0
+    q.close()
+
+
+def test_many_producers_reusing_their_slabs_never_corrupt_an_array(lc):
+    # 256 KiB arrays: a few per slab, so each producer comes back to a slab while the
+    # queue holds records naming it, which their sender's anchor holds until taken
+    ctx = smp.get_context("fork")
+    q = ctx.Queue(64)
+    n = 400
+    ps = [ctx.Process(target=put_many, args=(q, n, k * 100_000, 32768)) for k in range(3)]
+    for p in ps:
+        p.start()
+    last = {k: -1 for k in range(3)}
+    for _ in range(3 * n):
+        a = q.get(timeout=JOIN)
+        assert (a == a[0]).all(), "an array was overwritten while in flight"
+        k, i = divmod(int(a[0]), 100_000)
+        assert i == last[k] + 1
+        last[k] = i
+        del a
+    join_all(*ps)
+    assert all(p.exitcode == 0 for p in ps)
+    q.close()
