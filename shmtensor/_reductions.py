@@ -362,11 +362,16 @@ def held_attach(data: Payload, seg_fd: int, lease: Callable[[], int]) -> tuple[A
     if bytes(data[:2]) != NUMPY_LANE:
         raise pickle.UnpicklingError(f"a message of kind {bytes(data[:2])!r} came without "
                                      "fds: only a numpy array's may")
-    from ._numpy import held_attach as attach
-    return attach(data, seg_fd, lease)
+    if not _held:
+        from ._numpy import held_attach as attach, held_load as load
+        _held[:] = [attach, load]
+    return _held[0](data, seg_fd, lease)
 
 
 def held_load(anchor: Any, view: Any) -> object:
     """The array of a message :func:`held_attach` attached."""
-    from ._numpy import held_load as load
-    return load(anchor, view)
+    return _held[1](anchor, view)
+
+
+# numpy's adapter's held_attach and held_load, once the first such message imported it
+_held: list[Callable[..., Any]] = []
