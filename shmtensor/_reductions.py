@@ -21,7 +21,7 @@ import types
 import weakref
 from collections import ChainMap
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from shmtensor.ipc import scm_rights
 
@@ -365,7 +365,7 @@ def held_attach(data: Payload, seg_fd: int, lease: Callable[[], int]) -> tuple[A
     if not _held:
         from ._numpy import held_attach as attach, held_load as load
         _held[:] = [attach, load]
-    return _held[0](data, seg_fd, lease)
+    return cast("tuple[Any, Any]", _held[0](data, seg_fd, lease))
 
 
 def held_load(anchor: Any, view: Any) -> object:
