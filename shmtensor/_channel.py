@@ -68,6 +68,7 @@ _HELD_HEAD = struct.Struct("=IiQiQQ")
 _READER = 3
 _PID = 0xFFFFFFFF
 _ANNOUNCED_MAX = 1024  # what a writer remembers having announced, per channel
+_HOT_MAX = 64  # writers whose last slab a reader keeps held while records wait
 _HEAD = struct.Struct("=QQ")  # a datagram's head: its record's number, its tag
 SIDE_MAX = 64 << 10  # a body up to this goes in the datagram itself; a longer one in a memfd
 _DATAGRAM_MAX = _HEAD.size + SIDE_MAX
@@ -107,7 +108,7 @@ class Channel:
 
     __slots__ = ("ring", "turn", "waitable", "_side_r", "_side_w", "_taken", "_last", "_raw",
                  "_made", "_handing", "_pid", "_spent", "_close", "_keep", "_old", "_mine",
-                 "_announced", "_pending", "_dev", "__weakref__")
+                 "_announced", "_pending", "_dev", "_hot", "__weakref__")
 
     def __init__(self, ring: Ring, side_r: socket.socket, side_w: socket.socket) -> None:
         self.ring, self._side_r, self._side_w = ring, side_r, side_w
@@ -122,10 +123,11 @@ class Channel:
         self._announced: dict[int, int] = {}
         self._pending: collections.deque[tuple[int, object]] = collections.deque()
         self._dev = -1
+        self._hot: dict[int, object] = {}  # writer pid -> its last slab's anchor (_attach)
         # the ring's fds close with the channel (its sockets are its owner's to close);
         # anchors still in flight keep the ring until their records are taken
         self._close = weakref.finalize(self, _closed, ring, self._pending, self._keep,
-                                       self._old)
+                                       self._old, self._hot)
         self._close.atexit = False  # a daemon feeder may still be sending at exit
         # whether records tick once someone waits on the fd (see wait_fd): set by the
         # owner in every process that has the channel (a SimpleQueue's are; a Queue's not)
@@ -393,7 +395,7 @@ class Channel:
             if self.waitable and cast(memoryview, self.ring.user)[_WAITED]:
                 self._take_tick(number)
             taken.append((number, scm_rights.Frame(data[1:], []) if kind == _INLINE
-                          else self._held(data)))
+                          else self._held(number, data)))
             return
         if len(data) < 1 + _TAG.size:  # malformed (not a writer's of this channel): lost
             taken.append((number, _lost()))
@@ -404,7 +406,7 @@ class Channel:
             taken.append((number, frame))
             return
         if kind == _ANN:
-            frame, spent = self._announce(frame, data)
+            frame, spent = self._announce(number, frame, data)
         # the datagram is the frame's from here on (a lingering copy in _raw is known by
         # its tag), its memfd (if any) in _spent
         self._spent = spent; self._made = tag; taken.append((number, frame))  # noqa: E702
@@ -449,7 +451,7 @@ class Channel:
             del self._old[0]
             scm_rights.close_fds(fds)
 
-    def _announce(self, frame: scm_rights.Frame,
+    def _announce(self, number: int, frame: scm_rights.Frame,
                   data: bytes) -> tuple[scm_rights.Frame, list[int]]:
         """An announce's frame (a one-array message with its fds: the memory's memfd, then
         an in-flight description of its lease file) and the fds to close once it is
@@ -461,7 +463,7 @@ class Channel:
         if not self._mine or len(fds) != 2 or len(data) < 1 + _ANN_HEAD.size:
             return frame, []  # loaded as any message (the loader says what is malformed)
         keep = self._keep
-        seg_ino = _ANN_HEAD.unpack_from(data, 1)[1]
+        tag, seg_ino, _ = _ANN_HEAD.unpack_from(data, 1)
         if seg_ino not in keep:
             try:
                 if len(keep) >= _keep_max():
@@ -473,9 +475,9 @@ class Channel:
                 user[_READER] = self._mine = _word(user[_READER], self.ring.index,
                                                    os.getpid())
                 return frame, []
-        return self._attach(frame.data, fds[0], lambda: fds[1]), fds
+        return self._attach(number, tag >> 32, frame.data, fds[0], lambda: fds[1]), fds
 
-    def _held(self, data: bytes) -> scm_rights.Frame:
+    def _held(self, number: int, data: bytes) -> scm_rights.Frame:
         """The frame of a record without fds: its memory attached and held here (before
         ``head`` moves past it), from the files this process keeps, or else opened
         through its writer's or its sole reader's fds.  An error (but one a signal handler
@@ -490,13 +492,13 @@ class Channel:
                 seg_fd = self._kept(seg_ino, pid, seg_no, w, opened)
             except OSError as e:
                 return _Held(b"", None, None, e)
-            return self._attach(data[1 + _HELD_HEAD.size:], seg_fd,
+            return self._attach(number, pid, data[1 + _HELD_HEAD.size:], seg_fd,
                                 lambda: self._kept(shard_ino, pid, shard_no, w, opened))
         finally:
             scm_rights.close_fds(opened)
 
-    @staticmethod
-    def _attach(payload: Payload, seg_fd: int, lease: Callable[[], int]) -> _Held:
+    def _attach(self, number: int, writer: int, payload: Payload, seg_fd: int,
+                lease: Callable[[], int]) -> _Held:
         """A frame of a one-array message whose memory is attached and held here now (see
         ``_reductions.held_attach``), or of the error that lost it: the message can never
         be attached here (no fd or lock to be had, a malformed record).  Any other
@@ -510,6 +512,14 @@ class Channel:
             return _Held(b"", None, None, OSError(
                 getattr(e, "errno", None) or errno.EBADMSG,
                 f"a shared array on this queue was lost: {e}"))
+        # While more records wait, each writer's last slab stays held here: its next
+        # record's attach then finds the anchor alive (no hold, no release, no anchor
+        # made).  Let go of when that writer sends another slab, or the ring empties.
+        hot = self._hot
+        if self.ring.tail - number > 1 and len(hot) < _HOT_MAX:
+            hot[writer] = anchor
+        elif hot:
+            hot.clear()
         return _Held(payload, anchor, view, None)
 
     def _kept(self, ino: int, pid: int, fd_no: int, w: int, opened: list[int]) -> int:
@@ -693,6 +703,7 @@ class Channel:
         scm_rights.close_fds(fds)
         scm_rights.close_fds(self._spent)
         _let_go(self._keep, self._old)
+        self._hot.clear()
         self._announced.clear()
         self._pending.clear()  # this process's copies of the parent's anchors
         self._reset()
@@ -762,9 +773,10 @@ _prune_lock = threading.Lock()
 
 
 def _closed(ring: Ring, pending: collections.deque[tuple[int, object]], keep: dict[int, int],
-            old: list[tuple[int, dict[int, int]]]) -> None:
+            old: list[tuple[int, dict[int, int]]], hot: dict[int, object]) -> None:
     """A channel's end in this process: what it kept closed; anchors of records not yet
-    taken wait in ``_lingering`` with the ring (see _settle_lingering)."""
+    taken wait in ``_lingering`` with the ring (see _prune)."""
+    hot.clear()
     _let_go(keep, old)
     if pending:
         try:

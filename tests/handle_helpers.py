@@ -63,3 +63,14 @@ def put_six(q, took_one, took_two):
         q.put(shmtensor.full((64,), i, dtype=np.int64))
     q.close()
     q.join_thread()
+
+
+def stream_and_count_slabs(q, n, out):
+    """Put ``n`` fresh 64 KiB arrays (32 to a slab), then report how many segments this
+    process made: few, if its reader lets go of each slab as the next one comes."""
+    from shmtensor import _stats
+    for i in range(n):
+        q.put(shmtensor.full((8192,), i, dtype=np.int64))
+    q.close()
+    q.join_thread()
+    out.put(_stats.snapshot().get("segments_created", 0))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -18,7 +19,8 @@ import shmtensor.multiprocessing as smp
 from shmtensor import _channel
 
 from conftest import JOIN, join_all
-from handle_helpers import put_after_first, put_many, put_six, take_all, take_two_and_wait
+from handle_helpers import (put_after_first, put_many, put_six, stream_and_count_slabs,
+                            take_all, take_two_and_wait)
 
 
 @pytest.fixture
@@ -27,9 +29,9 @@ def counted(monkeypatch):
     calls = [0]
     real = _channel.Channel._held
 
-    def held(self, data):
+    def held(self, number, data):
         calls[0] += 1
-        return real(self, data)
+        return real(self, number, data)
     monkeypatch.setattr(_channel.Channel, "_held", held)
     return calls
 
@@ -211,3 +213,25 @@ def test_many_producers_reusing_their_slabs_never_corrupt_an_array(lc):
     join_all(*ps)
     assert all(p.exitcode == 0 for p in ps)
     q.close()
+
+
+def test_a_busy_reader_lets_go_of_each_slab_as_its_writer_moves_on(lc):
+    # the reader keeps a writer's last slab held while records wait (its next record then
+    # costs no hold): that must not keep slabs the writer has moved on from, or a writer
+    # that streams through its slabs would make new ones without end
+    ctx = smp.get_context("fork")
+    q, out = ctx.Queue(64), ctx.SimpleQueue()
+    n = 3000
+    p = ctx.Process(target=stream_and_count_slabs, args=(q, n, out))
+    p.start()
+    for i in range(n):
+        a = q.get(timeout=JOIN)
+        assert a[0] == i and a[-1] == i
+        del a
+        time.sleep(0.0002)  # slower than the writer: records always wait
+    slabs = out.get()
+    join_all(p)
+    assert p.exitcode == 0
+    assert slabs <= 6, f"the writer made {slabs} slabs for arrays that fit one at a time"
+    q.close()
+    out.close()
