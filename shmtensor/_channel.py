@@ -475,7 +475,8 @@ class Channel:
                 user[_READER] = self._mine = _word(user[_READER], self.ring.index,
                                                    os.getpid())
                 return frame, []
-        return self._attach(number, tag >> 32, frame.data, fds[0], lambda: fds[1]), fds
+        return self._attach(number, tag >> 32, frame.data, lambda: fds[0],
+                            lambda: fds[1]), fds
 
     def _held(self, number: int, data: bytes) -> scm_rights.Frame:
         """The frame of a record without fds: its memory attached and held here (before
@@ -488,16 +489,13 @@ class Channel:
             if len(data) < 1 + _HELD_HEAD.size:
                 return _Held(b"", None, None, OSError(errno.EBADMSG, "a malformed record"))
             pid, seg_no, seg_ino, shard_no, shard_ino, w = _HELD_HEAD.unpack_from(data, 1)
-            try:
-                seg_fd = self._kept(seg_ino, pid, seg_no, w, opened)
-            except OSError as e:
-                return _Held(b"", None, None, e)
-            return self._attach(number, pid, data[1 + _HELD_HEAD.size:], seg_fd,
+            return self._attach(number, pid, data[1 + _HELD_HEAD.size:],
+                                lambda: self._kept(seg_ino, pid, seg_no, w, opened),
                                 lambda: self._kept(shard_ino, pid, shard_no, w, opened))
         finally:
             scm_rights.close_fds(opened)
 
-    def _attach(self, number: int, writer: int, payload: Payload, seg_fd: int,
+    def _attach(self, number: int, writer: int, payload: Payload, seg_fd: Callable[[], int],
                 lease: Callable[[], int]) -> _Held:
         """A frame of a one-array message whose memory is attached and held here now (see
         ``_reductions.held_attach``), or of the error that lost it: the message can never
@@ -548,7 +546,8 @@ class Channel:
                     return opened[-1]
         raise OSError(errno.ENOENT, f"it came without fds, and neither its writer (process "
                       f"{pid}) nor the reader it was sent to (process {reader}) has its "
-                      "memory any more (both exited, or they are in another pid namespace)")
+                      "memory open any more (each exited or closed the queue, or they run "
+                      "in another pid namespace)")
 
     def _drop_unwritten(self) -> None:
         """With the ring found empty: close the datagrams of records that were never
@@ -733,8 +732,10 @@ class _Held(scm_rights.Frame):
         self.anchor, self.view, self.error = anchor, view, error
 
     def hand_to(self, load: Callable[..., _T], extra: tuple[object, ...]) -> _T:
-        self.started = True
+        # a view of memory held already: an exception (a signal handler's) leaves the
+        # frame whole for the next receive, unlike a load that consumes its fds
         if self.error is not None:
+            self.started = True
             raise self.error
         return cast(_T, _reductions.held_load(self.anchor, self.view))
 

@@ -170,12 +170,12 @@ def _handle(seg: Segment) -> tuple[int, int, int, int] | None:
     return fd, seg.ino, shard_fd, shard_ino
 
 
-def held_attach(data: Payload, seg_fd: int,
+def held_attach(data: Payload, seg_fd: Callable[[], int],
                 lease: Callable[[], int]) -> tuple[np.ndarray, tuple[Any, ...]]:
     """The segment of a :func:`lane_dumps` message that came without fds (its reader was
     sent them once), held here: its anchor, and the view's fields for :func:`held_load`.
-    ``seg_fd``: the segment's memfd; ``lease``: gives a description of its lease file,
-    where this process has none (both the caller's)."""
+    ``seg_fd`` and ``lease`` give the segment's memfd and a description of its lease
+    file, each asked for only where this process lacks it (both the caller's)."""
     (key, kind, size, table_id, slot, *view) = pickle.loads(memoryview(data)[len(NUMPY_LANE):])
     if kind != FD:
         raise pickle.UnpicklingError(f"a shared array of kind {kind!r} came without fds")

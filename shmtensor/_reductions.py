@@ -354,7 +354,8 @@ def _numpy_lane_loads(data: Payload, fds: list[int]) -> object:
     return _numpy_lane(data, fds)  # type: ignore[misc]  # bound by the import above
 
 
-def held_attach(data: Payload, seg_fd: int, lease: Callable[[], int]) -> tuple[Any, Any]:
+def held_attach(data: Payload, seg_fd: Callable[[], int],
+                lease: Callable[[], int]) -> tuple[Any, Any]:
     """A one-array message that came without fds (its reader had them: see
     ``_channel.Channel.post``): its memory, attached and held here, and what
     :func:`held_load` makes the array of.  Run under the channel's readers' lock, before

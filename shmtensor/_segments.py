@@ -757,18 +757,18 @@ def receive(key: str, kind: str, size: int, table_id: str, slot: int,
             raise
 
 
-def attach_held(key: str, kind: str, size: int, table_id: str, slot: int, fd: int,
-                lease: Callable[[], int]) -> np.ndarray:
+def attach_held(key: str, kind: str, size: int, table_id: str, slot: int,
+                fd: Callable[[], int], lease: Callable[[], int]) -> np.ndarray:
     """The anchor of segment ``key`` for a message that came without fds: mapped (from a
-    new fd of ``fd``, its memfd, which stays the caller's) if this process has not, and
-    held by a lock through this process's description of its lease file, made from the
-    one ``lease()`` gives (the caller's) if it has none."""
+    new fd of the memfd ``fd()`` gives, which stays the caller's) if this process has
+    not, and held by a lock through this process's description of its lease file, made
+    from the one ``lease()`` gives (the caller's) if it has none."""
     fds: list[int] = []
     try:
         with _lock:
             seg = _by_key.get(key)
             if seg is None or seg.mm is None:
-                fds.extend(map(os.dup, (fd,)))
+                fds.extend(map(os.dup, (fd(),)))
             seg, took = _attached(key, kind, size, table_id, slot, fds or [-1])
             try:
                 try:

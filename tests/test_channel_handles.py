@@ -8,6 +8,7 @@ says why, the queue going on."""
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 
@@ -155,8 +156,12 @@ def test_a_record_naming_memory_it_cannot_find_is_lost_once_with_an_error(lc):
     # then the queue goes on
     ctx = smp.get_context("fork")
     q = ctx.Queue()
+    from shmtensor._reductions import NUMPY_LANE
+    from shmtensor._segments import FD
     head = _channel._HELD_HEAD.pack(os.getpid(), 0, 1, 0, 1, 0)
-    for record in (_channel._HELD + head + b"\0N junk", _channel._HELD + b"short"):
+    handle = pickle.dumps(("shmtensor_0_nobody_1", FD, 4096, "nobody", 1, 0, (4,), None,
+                           "<f8", False))
+    for record in (_channel._HELD + head + NUMPY_LANE + handle, _channel._HELD + b"short"):
         assert q._sem.acquire(False)  # as a put takes its place in the queue
         q._chan.ring.put(record)
     q.put("after")
@@ -235,3 +240,32 @@ def test_a_busy_reader_lets_go_of_each_slab_as_its_writer_moves_on(lc):
     assert slabs <= 6, f"the writer made {slabs} slabs for arrays that fit one at a time"
     q.close()
     out.close()
+
+
+def test_an_exception_while_a_record_without_fds_is_loaded_leaves_it_for_the_next_get(
+        lc, monkeypatch):
+    # its memory is attached and held as it leaves the ring: an exception (a signal
+    # handler's) while its array is made loses nothing
+    from shmtensor import _reductions
+
+    class Interrupt(Exception):
+        pass
+    real = _reductions.held_load
+
+    def interrupted(anchor, view):
+        monkeypatch.setattr(_reductions, "held_load", real)
+        raise Interrupt
+    ctx = smp.get_context("spawn")
+    q, took = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=put_after_first, args=(q, took, 3))
+    p.start()
+    assert q.get(timeout=JOIN)[0] == 0
+    took.set()
+    assert q.get(timeout=JOIN)[0] == 1  # the announce
+    join_all(p)  # the next two are in the queue, without fds
+    monkeypatch.setattr(_reductions, "held_load", interrupted)
+    with pytest.raises(Interrupt):
+        q.get(timeout=JOIN)
+    assert [int(q.get(timeout=JOIN)[0]) for _ in range(2)] == [2, 3]
+    assert p.exitcode == 0
+    q.close()
