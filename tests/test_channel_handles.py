@@ -237,7 +237,7 @@ def test_a_busy_reader_lets_go_of_each_slab_as_its_writer_moves_on(lc):
     slabs = out.get()
     join_all(p)
     assert p.exitcode == 0
-    assert slabs <= 6, f"the writer made {slabs} slabs for arrays that fit one at a time"
+    assert slabs <= 6, f"the writer had {slabs} slabs at once for arrays that fit one"
     q.close()
     out.close()
 
