@@ -328,6 +328,8 @@ class Channel:
         me = threading.get_ident()
         while self._handing and self._handing != me:
             time.sleep(0)  # another thread is handing taken[0] over: it drops it next
+        if _lingering:  # a closed channel's anchors, let go of once their records went
+            _prune(self._pending, self.ring.head)
         if self._spent:  # left by a hook an exception cut short
             scm_rights.close_fds(self._spent)
             self._spent = []

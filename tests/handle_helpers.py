@@ -77,3 +77,16 @@ def stream_and_count_slabs(q, n, out):
     q.close()
     q.join_thread()
     out.put(most)
+
+
+def take_first_then_rest(q, n, took, go, back):
+    """Take one array (``took``), then, on ``go``, the ``n`` others; then put "done" on
+    ``back`` and exit."""
+    q.get(timeout=60)
+    took.set()
+    go.wait(60)
+    for _ in range(n):
+        q.get(timeout=60)
+    back.put("done")
+    back.close()
+    back.join_thread()

@@ -21,7 +21,7 @@ from shmtensor import _channel
 
 from conftest import JOIN, join_all
 from handle_helpers import (put_after_first, put_many, put_six, stream_and_count_slabs,
-                            take_all, take_two_and_wait)
+                            take_all, take_first_then_rest, take_two_and_wait)
 
 
 @pytest.fixture
@@ -269,3 +269,30 @@ def test_an_exception_while_a_record_without_fds_is_loaded_leaves_it_for_the_nex
     assert [int(q.get(timeout=JOIN)[0]) for _ in range(2)] == [2, 3]
     assert p.exitcode == 0
     q.close()
+
+
+def test_a_closed_channels_slabs_are_let_go_of_at_a_later_get(lc):
+    # a writer closed its queue with records without fds unread: their anchors (and the
+    # ring) wait until the records are taken, and a later get of the writer, on any
+    # queue, lets go of them
+    import gc
+    ctx = smp.get_context("fork")
+    q, back, took, go = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    r = ctx.Process(target=take_first_then_rest, args=(q, 5, took, go, back))
+    r.start()
+    q.put(shmtensor.full((64,), 0, dtype=np.int64))
+    assert took.wait(JOIN)
+    for i in range(1, 6):
+        q.put(shmtensor.full((64,), i, dtype=np.int64))
+    q.close()
+    q.join_thread()
+    del q
+    gc.collect()
+    assert _channel._lingering, "no anchors wait for their records"
+    go.set()
+    join_all(r)  # it took the records, put "done" and exited
+    assert r.exitcode == 0
+    assert _channel._lingering
+    assert back.get(timeout=JOIN) == "done"  # a get, begun after the records were taken
+    assert not _channel._lingering
+    back.close()
