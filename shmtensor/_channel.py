@@ -388,6 +388,8 @@ class Channel:
         taken = self._taken
         if number <= self._last[0] or (taken and taken[-1][0] >= number):
             return  # taken already by this process (an exception before head moved)
+        if self._hot and self.ring.tail - number <= 1:
+            self._hot.clear()  # nothing waits after this record: keep no slab (_attach)
         if cast(memoryview, self.ring.user)[_READER] != self._mine or not self._mine:
             self._join()
         if self._old:

@@ -90,3 +90,14 @@ def take_first_then_rest(q, n, took, go, back):
     back.put("done")
     back.close()
     back.join_thread()
+
+
+def three_then_none(q, took):
+    """Put one array; once the reader took it, three more and a ``None``."""
+    q.put(shmtensor.full((1 << 14,), 100, dtype=np.int64))
+    took.wait(60)
+    for i in range(3):
+        q.put(shmtensor.full((1 << 14,), i, dtype=np.int64))
+    q.put(None)
+    q.close()
+    q.join_thread()

@@ -21,7 +21,8 @@ from shmtensor import _channel
 
 from conftest import JOIN, join_all
 from handle_helpers import (put_after_first, put_many, put_six, stream_and_count_slabs,
-                            take_all, take_first_then_rest, take_two_and_wait)
+                            take_all, take_first_then_rest, take_two_and_wait,
+                            three_then_none)
 
 
 @pytest.fixture
@@ -296,3 +297,25 @@ def test_a_closed_channels_slabs_are_let_go_of_at_a_later_get(lc):
     assert back.get(timeout=JOIN) == "done"  # a get, begun after the records were taken
     assert not _channel._lingering
     back.close()
+
+
+def test_a_reader_keeps_no_slab_once_the_queue_is_drained_by_any_message(lc):
+    # (review R) the slab a busy reader keeps held goes as the last waiting record is
+    # taken, whatever it is: here a None after the arrays
+    import gc
+    from shmtensor import _segments
+    ctx = smp.get_context("fork")
+    q, took = ctx.Queue(64), ctx.Event()
+    p = ctx.Process(target=three_then_none, args=(q, took))
+    p.start()
+    assert q.get(timeout=JOIN)[0] == 100
+    took.set()
+    join_all(p)  # all four records wait in the ring
+    assert p.exitcode == 0
+    got = [q.get(timeout=JOIN) for _ in range(4)]
+    assert [None if g is None else int(g[0]) for g in got] == [0, 1, 2, None]
+    del got
+    gc.collect()
+    shmtensor.empty_cache()
+    assert not [s for s in _segments.mapped() if not s.own]
+    q.close()
