@@ -224,9 +224,9 @@ class Channel:
         without fds to a channel's sole reader that was sent them once, as a record of
         its own (see docs/channel-design.md, "fds only when new"): the first message of
         each memfd (and lease file) to that reader *announces* it (its fds go with it, and
-        the reader keeps them), and each later one names it.  Its anchor (``ctx.keep``) is then kept here
-        until the reader took the record, and so holds the memory meanwhile.  The caller
-        releases ``ctx`` after, as after :meth:`send`."""
+        the reader keeps them), and each later one names it.  Its anchor (``ctx.keep``) is
+        then kept here until the reader took the record, and so holds the memory
+        meanwhile.  The caller releases ``ctx`` after, as after :meth:`send`."""
         if self._pending or _lingering:
             _prune(self._pending, self.ring.head)
         handle = ctx.handle
@@ -257,7 +257,6 @@ class Channel:
 
         def side(number: int) -> None:
             self._send_side(_HEAD.pack(number, tag), data, fds, block, deadline)
-            _prune(self._pending, ring.head)
             if len(announced) >= _ANNOUNCED_MAX:
                 announced.clear()
             w = user[_READER]
@@ -271,16 +270,14 @@ class Channel:
         ``_Unknown`` (nothing is written) unless the reader word is still ``w`` and both
         files were announced under it (the reader it names takes those announces first:
         records are taken in order); else the anchor is kept until the record is taken
-        (what was kept for records taken since is let go of here)."""
-        ring, user, announced, pending = self.ring, self.ring.user, self._announced, \
-            self._pending
+        (``post`` lets go of those of records taken since, first)."""
+        user, announced, pending = self.ring.user, self._announced, self._pending
         tick = self._ticker(block, timeout) if self.waitable else None
 
         def named(number: int) -> None:
             if (cast(memoryview, user)[_READER] != w or announced.get(seg_ino) != w
                     or announced.get(shard_ino) != w):
                 raise _Unknown
-            _prune(pending, ring.head)
             if tick is not None:
                 tick(number)
             pending.append((number, anchor))

@@ -42,15 +42,22 @@ def _fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
-def test_arrays_after_the_first_go_without_fds_and_cost_no_fd(lc, counted):
+def _sole_reader_of(n: int):
+    """A spawned producer of ``n`` arrays after a first one, which this process took (so
+    it is the queue's sole reader): (queue, producer, the first array)."""
     ctx = smp.get_context("spawn")
     q, took = ctx.Queue(), ctx.Event()
-    n = 300
     p = ctx.Process(target=put_after_first, args=(q, took, n))
     p.start()
     first = q.get(timeout=JOIN)
     assert first[0] == 0
     took.set()
+    return q, p, first
+
+
+def test_arrays_after_the_first_go_without_fds_and_cost_no_fd(lc, counted):
+    n = 300
+    q, p, first = _sole_reader_of(n)
     second = q.get(timeout=JOIN)  # announces its slab: its memfd is kept once
     fds = _fds()
     got = [second] + [q.get(timeout=JOIN) for _ in range(n - 1)]
@@ -65,13 +72,9 @@ def test_arrays_after_the_first_go_without_fds_and_cost_no_fd(lc, counted):
 
 
 def test_a_producer_that_exits_right_after_its_puts_delivers_every_array(lc, counted):
-    ctx = smp.get_context("spawn")
-    q, took = ctx.Queue(), ctx.Event()
     n = 200
-    p = ctx.Process(target=put_after_first, args=(q, took, n))
-    p.start()
-    assert q.get(timeout=JOIN)[0] == 0
-    took.set()
+    q, p, first = _sole_reader_of(n)
+    del first
     join_all(p)  # gone before its arrays are read: the memory stays for the reader
     assert p.exitcode == 0
     got = [q.get(timeout=JOIN) for _ in range(n)]
