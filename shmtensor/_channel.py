@@ -220,13 +220,14 @@ class Channel:
     def post(self, data: bytes, ctx: SendContext, block: bool = True,
              timeout: float | None = None) -> None:
         """Send a message pickled with ``ctx``, as :meth:`send` does with its fds.  A
-        one-array message of memory this process made in a memfd (``ctx.handle``) goes
-        without fds to a channel's sole reader that was sent them once, as a record of
-        its own (see docs/channel-design.md, "fds only when new"): the first message of
-        each memfd (and lease file) to that reader *announces* it (its fds go with it, and
-        the reader keeps them), and each later one names it.  Its anchor (``ctx.keep``) is
-        then kept here until the reader took the record, and so holds the memory
-        meanwhile.  The caller releases ``ctx`` after, as after :meth:`send`."""
+        one-array message of memory in a memfd (``ctx.handle``) goes without fds to a
+        channel's sole reader that was sent them once, or that made that memory, as a
+        record of its own (see docs/channel-design.md, "fds only when new"): the first
+        message of each memfd (and lease file) this process made to that reader
+        *announces* it (its fds go with it, and the reader keeps them), and each later one
+        names it.  Its anchor (``ctx.keep``) is then kept here until the reader took the
+        record, and so holds the memory meanwhile.  The caller releases ``ctx`` after, as
+        after :meth:`send`."""
         if self._pending or _lingering:
             _prune(self._pending, self.ring.head)
         handle = ctx.handle
@@ -237,23 +238,24 @@ class Channel:
             self._forked()
         ring, user = self.ring, cast(memoryview, self.ring.user)
         w = user[_READER]
-        if w & _PID and 1 + _HELD_HEAD.size + len(data) <= ring.payload_max:
-            seg_fd, seg_ino, shard_fd, shard_ino = handle
+        seg_fd, seg_ino, shard_fd, shard_ino, owner = handle
+        if (w & _PID and (not owner or owner == w & _PID)
+                and 1 + _HELD_HEAD.size + len(data) <= ring.payload_max):
             record = b"".join((_HELD, _HELD_HEAD.pack(os.getpid(), seg_fd, seg_ino, shard_fd,
                                                       shard_ino, w), data))
             try:
-                ring.put(record, block, timeout,
-                         hook=self._named(w, seg_ino, shard_ino, ctx.keep[0], block, timeout))
+                ring.put(record, block, timeout, hook=self._named(
+                    w, () if owner else (seg_ino, shard_ino), ctx.keep[0], block, timeout))
                 return
             except _Unknown:
                 w = user[_READER]
-        if not w & _PID:  # no sole reader to announce to
+        if owner or not w & _PID:  # nothing to announce, or no sole reader to announce to
             self.send(data, ctx.wire_fds(), block, timeout)
             return
         fds = ctx.wire_fds()
         deadline = None if not block or timeout is None else time.monotonic() + timeout
         tag = _new_tag()
-        announced, inos = self._announced, (handle[1], handle[3])
+        announced, inos = self._announced, (seg_ino, shard_ino)
 
         def side(number: int) -> None:
             self._send_side(_HEAD.pack(number, tag), data, fds, block, deadline)
@@ -264,20 +266,22 @@ class Channel:
                 announced[ino] = w
         ring.put(_ANN + _ANN_HEAD.pack(tag, *inos), block, timeout, hook=side)
 
-    def _named(self, w: int, seg_ino: int, shard_ino: int, anchor: object, block: bool,
+    def _named(self, w: int, inos: tuple[int, ...], anchor: object, block: bool,
                timeout: float | None) -> Callable[[int], None]:
         """The put hook of a record without fds: under the writers' lock, it raises
-        ``_Unknown`` (nothing is written) unless the reader word is still ``w`` and both
-        files were announced under it (the reader it names takes those announces first:
-        records are taken in order); else the anchor is kept until the record is taken
-        (``post`` lets go of those of records taken since, first)."""
+        ``_Unknown`` (nothing is written) unless the reader word is still ``w`` and the
+        files of ``inos`` were announced under it (the reader it names takes those
+        announces first: records are taken in order); else the anchor is kept until the
+        record is taken (``post`` lets go of those of records taken since, first)."""
         user, announced, pending = self.ring.user, self._announced, self._pending
         tick = self._ticker(block, timeout) if self.waitable else None
 
         def named(number: int) -> None:
-            if (cast(memoryview, user)[_READER] != w or announced.get(seg_ino) != w
-                    or announced.get(shard_ino) != w):
+            if cast(memoryview, user)[_READER] != w:
                 raise _Unknown
+            for ino in inos:
+                if announced.get(ino) != w:
+                    raise _Unknown
             if tick is not None:
                 tick(number)
             pending.append((number, anchor))

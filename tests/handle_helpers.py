@@ -101,3 +101,15 @@ def three_then_none(q, took):
     q.put(None)
     q.close()
     q.join_thread()
+
+
+def echo(inbox, outbox, n, die=False):
+    """Put each of ``n`` arrays taken from ``inbox`` on ``outbox`` (the same memory: a
+    received shared array goes on as itself); with ``die``, SIGKILL this process right
+    after the last put, holding nothing any more."""
+    for _ in range(n):
+        outbox.put(inbox.get(timeout=60))
+    if die:
+        os.kill(os.getpid(), 9)
+    outbox.close()
+    outbox.join_thread()

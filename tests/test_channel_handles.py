@@ -20,7 +20,7 @@ import shmtensor.multiprocessing as smp
 from shmtensor import _channel
 
 from conftest import JOIN, join_all
-from handle_helpers import (put_after_first, put_many, put_six, stream_and_count_slabs,
+from handle_helpers import (echo, put_after_first, put_many, put_six, stream_and_count_slabs,
                             take_all, take_first_then_rest, take_two_and_wait,
                             three_then_none)
 
@@ -322,3 +322,77 @@ def test_a_reader_keeps_no_slab_once_the_queue_is_drained_by_any_message(lc):
     shmtensor.empty_cache()
     assert not [s for s in _segments.mapped() if not s.own]
     q.close()
+
+
+def _echoing(n: int, die: bool = False):
+    """A spawned child that sends back the ``n`` arrays it is sent, after a first one it
+    sent back already (so this process is the sole reader of the way back): (out, back,
+    child)."""
+    ctx = smp.get_context("spawn")
+    out, back = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=echo, args=(out, back, n + 1, die))
+    p.start()
+    out.put(shmtensor.zeros(4))
+    assert back.get(timeout=JOIN)[0] == 0
+    return out, back, p
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def test_an_array_sent_back_to_its_maker_goes_without_fds(lc, counted):
+    # The reader made the memory: it maps and holds it already, so nothing is announced
+    # and nothing is kept; the array comes back as the very memory it sent.
+    n = 200
+    out, back, p = _echoing(n)
+    fds = None
+    for i in range(n):
+        a = shmtensor.full((256,), i, dtype=np.int64)
+        out.put(a)
+        b = back.get(timeout=JOIN)
+        assert _address(b) == _address(a) and (b == i).all()
+        fds = fds or _fds()
+        del a, b
+    assert counted[0] == n
+    assert _fds() == fds
+    join_all(p)
+    assert p.exitcode == 0
+    out.close()
+    back.close()
+
+
+def _reuse(seg) -> None:
+    """Carve and let go of arrays until this process reuses slab ``seg`` (a new slot)."""
+    slot, deadline = seg.slot, time.monotonic() + JOIN
+    while seg.slot == slot:
+        assert time.monotonic() < deadline, "the slab was never reused"
+        shmtensor.empty(60_000, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("reused", [False, True])
+def test_an_array_whose_sender_died_after_sending_it_back_arrives_or_is_lost(lc, reused):
+    # The child sends the array back without fds and dies: nothing holds the memory but
+    # this process's own arrays.  Not reused meanwhile, it arrives whole; reused (all of
+    # the slab let go of, then carved again), the message is lost with an error that says
+    # so, never a view of someone else's data, and the queue goes on.
+    from shmtensor import _segments
+    out, back, p = _echoing(1, die=True)
+    a = shmtensor.full((256,), 7, dtype=np.int64)
+    seg = _segments.segment_of(a)
+    out.put(a)
+    join_all(p)
+    assert p.exitcode == -signal.SIGKILL
+    if reused:
+        del a
+        _reuse(seg)
+        with pytest.raises(OSError, match="was reused by its creator"):
+            back.get(timeout=JOIN)
+    else:
+        b = back.get(timeout=JOIN)
+        assert _address(b) == _address(a) and (b == 7).all()
+        del a, b
+    back.put("after")
+    assert back.get(timeout=JOIN) == "after"
+    out.close()
+    back.close()
