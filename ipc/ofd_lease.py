@@ -523,7 +523,6 @@ def release(table_id: str, slot: int, token: list[int] | None = None) -> None:
     with h.lock:
         if not token:
             return
-        slot = token[0]  # the slot it was taken on (a segment's slot may change after)
         counts, by = h.counts, h.by
         n = counts.get(slot, 0)
         if n > 1:

@@ -57,8 +57,9 @@ _T = TypeVar("_T")
 _INLINE, _SIDE, _BIG = b"I", b"S", b"B"
 _ANN, _HELD = b"A", b"H"  # a handle's announce (a side record), and its record without fds
 _TAG = struct.Struct("=Q")  # a side record: its kind, then its datagram's tag
-# an announce: its datagram's tag, the inodes of the memory's memfd and of its lease file
-_ANN_HEAD = struct.Struct("=QQQ")
+# an announce: its datagram's tag, the inodes of the memory's memfd and of its lease file,
+# and the writer's fd number of the memfd
+_ANN_HEAD = struct.Struct("=QQQi")
 # a handle's record without fds: the writer's pid, its fds of the memory's memfd and of
 # the lease file, their inodes, and the reader word it was written under
 _HELD_HEAD = struct.Struct("=IiQiQQ")
@@ -69,6 +70,10 @@ _READER = 3
 _PID = 0xFFFFFFFF
 _ANNOUNCED_MAX = 1024  # what a writer remembers having announced, per channel
 _HOT_MAX = 64  # writers whose last slab a reader keeps held while records wait
+# bytes of memory whose memfds a sole reader keeps per channel before it starts a new
+# generation: what its receive cache may keep mapped while idle (which pins as much)
+_KEEP_BYTES = 2 << 30
+_SWEEP_SECONDS = 1.0  # how often a reader that drains its queue looks for freed memfds
 _HEAD = struct.Struct("=QQ")  # a datagram's head: its record's number, its tag
 SIDE_MAX = 64 << 10  # a body up to this goes in the datagram itself; a longer one in a memfd
 _DATAGRAM_MAX = _HEAD.size + SIDE_MAX
@@ -108,7 +113,8 @@ class Channel:
 
     __slots__ = ("ring", "turn", "waitable", "_side_r", "_side_w", "_taken", "_last", "_raw",
                  "_made", "_handing", "_pid", "_spent", "_close", "_keep", "_old", "_mine",
-                 "_announced", "_pending", "_dev", "_hot", "__weakref__")
+                 "_announced", "_pending", "_dev", "_hot", "_origin", "_sweep_at",
+                 "__weakref__")
 
     def __init__(self, ring: Ring, side_r: socket.socket, side_w: socket.socket) -> None:
         self.ring, self._side_r, self._side_w = ring, side_r, side_w
@@ -117,6 +123,10 @@ class Channel:
         # with the tail after which no record names them.
         self._keep: dict[int, int] = {}
         self._old: list[tuple[int, dict[int, int]]] = []
+        # a kept memfd's writer pid, its fd number there and the memory's size, by inode
+        # (for the sweep that lets go of what its writer freed)
+        self._origin: dict[int, tuple[int, int, int]] = {}
+        self._sweep_at = 0.0
         # As writer: the reader word each file was last announced under; and the anchors
         # of records sent without fds, kept until ``head`` passes them (their reader holds
         # the memory by then)
@@ -220,16 +230,14 @@ class Channel:
     def post(self, data: bytes, ctx: SendContext, block: bool = True,
              timeout: float | None = None) -> None:
         """Send a message pickled with ``ctx``, as :meth:`send` does with its fds.  A
-        one-array message of memory in a memfd (``ctx.handle``) goes without fds to a
-        channel's sole reader that was sent them once, or that made that memory, as a
-        record of its own (see docs/channel-design.md, "fds only when new"): the first
-        message of each memfd (and lease file) this process made to that reader
-        *announces* it (its fds go with it, and the reader keeps them), and each later one
-        names it.  Its anchor (``ctx.keep``) is then kept here until the reader took the
+        one-array message of memory this process made in a memfd (``ctx.handle``) goes
+        without fds to a channel's sole reader that was sent them once, as a record of
+        its own (see docs/channel-design.md, "fds only when new"): the first message of
+        each memfd (and lease file) to that reader *announces* it (its fds go with it, and
+        the reader keeps them), and each later one names it.  Its anchor (``ctx.keep``) is then kept here until the reader took the
         record, and so holds the memory meanwhile.  The caller releases ``ctx`` after, as
         after :meth:`send`."""
-        if self._pending or _lingering:
-            _prune(self._pending, self.ring.head)
+        self.prune()
         handle = ctx.handle
         if handle is None or len(data) > SIDE_MAX:
             self.send(data, ctx.wire_fds(), block, timeout)
@@ -238,18 +246,17 @@ class Channel:
             self._forked()
         ring, user = self.ring, cast(memoryview, self.ring.user)
         w = user[_READER]
-        seg_fd, seg_ino, shard_fd, shard_ino, owner = handle
-        if (w & _PID and (not owner or owner == w & _PID)
-                and 1 + _HELD_HEAD.size + len(data) <= ring.payload_max):
+        seg_fd, seg_ino, shard_fd, shard_ino = handle
+        if w & _PID and 1 + _HELD_HEAD.size + len(data) <= ring.payload_max:
             record = b"".join((_HELD, _HELD_HEAD.pack(os.getpid(), seg_fd, seg_ino, shard_fd,
                                                       shard_ino, w), data))
             try:
-                ring.put(record, block, timeout, hook=self._named(
-                    w, () if owner else (seg_ino, shard_ino), ctx.keep[0], block, timeout))
+                ring.put(record, block, timeout,
+                         hook=self._named(w, seg_ino, shard_ino, ctx.keep[0], block, timeout))
                 return
             except _Unknown:
                 w = user[_READER]
-        if owner or not w & _PID:  # nothing to announce, or no sole reader to announce to
+        if not w & _PID:  # no sole reader to announce to
             self.send(data, ctx.wire_fds(), block, timeout)
             return
         fds = ctx.wire_fds()
@@ -264,24 +271,29 @@ class Channel:
             w = user[_READER]
             for ino in inos:
                 announced[ino] = w
-        ring.put(_ANN + _ANN_HEAD.pack(tag, *inos), block, timeout, hook=side)
+        ring.put(_ANN + _ANN_HEAD.pack(tag, *inos, seg_fd), block, timeout, hook=side)
 
-    def _named(self, w: int, inos: tuple[int, ...], anchor: object, block: bool,
+    def prune(self) -> None:
+        """Let go of the anchors of records without fds taken since (and of closed
+        channels'): a put calls it before it pickles, so that the memory of a message
+        its reader took and let go of is free for the next one."""
+        if self._pending or _lingering:
+            _prune(self._pending, self.ring.head)
+
+    def _named(self, w: int, seg_ino: int, shard_ino: int, anchor: object, block: bool,
                timeout: float | None) -> Callable[[int], None]:
         """The put hook of a record without fds: under the writers' lock, it raises
-        ``_Unknown`` (nothing is written) unless the reader word is still ``w`` and the
-        files of ``inos`` were announced under it (the reader it names takes those
-        announces first: records are taken in order); else the anchor is kept until the
-        record is taken (``post`` lets go of those of records taken since, first)."""
+        ``_Unknown`` (nothing is written) unless the reader word is still ``w`` and both
+        files were announced under it (the reader it names takes those announces first:
+        records are taken in order); else the anchor is kept until the record is taken
+        (``post`` lets go of those of records taken since, first)."""
         user, announced, pending = self.ring.user, self._announced, self._pending
         tick = self._ticker(block, timeout) if self.waitable else None
 
         def named(number: int) -> None:
-            if cast(memoryview, user)[_READER] != w:
+            if (cast(memoryview, user)[_READER] != w or announced.get(seg_ino) != w
+                    or announced.get(shard_ino) != w):
                 raise _Unknown
-            for ino in inos:
-                if announced.get(ino) != w:
-                    raise _Unknown
             if tick is not None:
                 tick(number)
             pending.append((number, anchor))
@@ -389,8 +401,11 @@ class Channel:
         taken = self._taken
         if number <= self._last[0] or (taken and taken[-1][0] >= number):
             return  # taken already by this process (an exception before head moved)
-        if self._hot and self.ring.tail - number <= 1:
-            self._hot.clear()  # nothing waits after this record: keep no slab (_attach)
+        if self.ring.tail - number <= 1:  # nothing waits after this record
+            if self._hot:
+                self._hot.clear()  # keep no slab (_attach)
+            if self._origin and time.monotonic() >= self._sweep_at:
+                self._sweep()
         if cast(memoryview, self.ring.user)[_READER] != self._mine or not self._mine:
             self._join()
         if self._old:
@@ -446,6 +461,22 @@ class Channel:
         if self._keep:
             self._old.append((self.ring.tail, dict(self._keep)))
             self._keep.clear()
+            self._origin.clear()
+
+    def _sweep(self) -> None:
+        """Let go of kept memfds whose writer closed its fd of them (it destroyed the
+        memory, or exited): kept on, they would pin memory nobody uses.  Records up to
+        the tail may still name them (a writer that exited right after its puts), so
+        they close as an earlier generation's do, once ``head`` passes the tail."""
+        self._sweep_at = time.monotonic() + _SWEEP_SECONDS
+        keep, gone = self._keep, dict[int, int]()
+        for ino, (pid, fd_no, _) in list(self._origin.items()):
+            if pid and not _is_file(f"/proc/{pid}/fd/{fd_no}", self._dev, ino):
+                del self._origin[ino]
+                if ino in keep:  # moved in one step (C): an exception never loses it
+                    _consume(map(gone.__setitem__, (ino,), map(keep.pop, (ino,))))
+        if gone:
+            self._old.append((self.ring.tail, gone))
 
     def _drop_old(self, number: int) -> None:
         """Close kept files of earlier generations that no record from ``number`` on names
@@ -468,11 +499,12 @@ class Channel:
         if not self._mine or len(fds) != 2 or len(data) < 1 + _ANN_HEAD.size:
             return frame, []  # loaded as any message (the loader says what is malformed)
         keep = self._keep
-        tag, seg_ino, _ = _ANN_HEAD.unpack_from(data, 1)
+        tag, seg_ino, _, seg_no = _ANN_HEAD.unpack_from(data, 1)
         if seg_ino not in keep:
             try:
                 if len(keep) >= _keep_max():
                     raise OSError(errno.EMFILE, "kept enough")
+                self._note_origin(seg_ino, tag >> 32, seg_no, fds[0])
                 _consume(map(keep.__setitem__, (seg_ino,), map(os.dup, (fds[0],))))
             except OSError:  # a new generation (writers announce again), kept from empty
                 self._retire()
@@ -482,6 +514,18 @@ class Channel:
                 return frame, []
         return self._attach(number, tag >> 32, frame.data, lambda: fds[0],
                             lambda: fds[1]), fds
+
+    def _note_origin(self, ino: int, pid: int, fd_no: int, fd: int) -> None:
+        """Note where a memfd about to be kept comes from, for :meth:`_sweep`: raises
+        ``OSError`` if keeping it would pass :data:`_KEEP_BYTES`.  One whose writer's fd
+        this process cannot see (another pid namespace) is never swept (pid 0)."""
+        size = os.fstat(fd).st_size
+        if sum(o[2] for o in self._origin.values()) + size > _KEEP_BYTES:
+            raise OSError(errno.ENOSPC, "kept enough bytes")
+        if self._dev < 0:
+            self._dev = os.fstat(self.ring.fd).st_dev
+        seen = _is_file(f"/proc/{pid}/fd/{fd_no}", self._dev, ino)
+        self._origin[ino] = (pid if seen else 0, fd_no, size)
 
     def _held(self, number: int, data: bytes) -> scm_rights.Frame:
         """The frame of a record without fds: its memory attached and held here (before
@@ -707,6 +751,7 @@ class Channel:
         scm_rights.close_fds(fds)
         scm_rights.close_fds(self._spent)
         _let_go(self._keep, self._old)
+        self._origin.clear()
         self._hot.clear()
         self._announced.clear()
         self._pending.clear()  # this process's copies of the parent's anchors
@@ -742,7 +787,14 @@ class _Held(scm_rights.Frame):
         if self.error is not None:
             self.started = True
             raise self.error
-        return cast(_T, _reductions.held_load(self.anchor, self.view))
+        try:
+            return cast(_T, _reductions.held_load(self.anchor, self.view))
+        except _FAILURES as e:  # a view its memory cannot have (a malformed record): lost
+            if _raised_by_a_signal_handler(e):
+                raise
+            self.started = True
+            raise OSError(errno.EBADMSG, f"a shared array on this queue was lost: the "
+                          f"record that named it was malformed ({e})") from e
 
 
 def _keep_max() -> int:
@@ -754,6 +806,15 @@ def _keep_max() -> int:
 def _word(w: int, index: int, pid: int) -> int:
     """A reader word of the generation after ``w``'s, naming ``pid`` (0: several)."""
     return ((w >> 48) + 1 & 0xFFFF or 1) << 48 | index << 32 | pid
+
+
+def _is_file(path: str, dev: int, ino: int) -> bool:
+    """Whether ``path`` (a /proc fd link) is the file (``dev``, ``ino``)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return st.st_ino == ino and st.st_dev == dev
 
 
 def _open_file(path: str, dev: int, ino: int, into: list[int]) -> bool:

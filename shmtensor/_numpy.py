@@ -151,32 +151,23 @@ def lane_dumps(a: np.ndarray) -> tuple[bytes, _wire.SendContext] | None:
     _stats.bump("arrays_sent_shared")
     return (NUMPY_LANE + pickle.dumps(fields, pickle.HIGHEST_PROTOCOL),
             LaneContext(anchor, seg.fd if seg.kind == FD else None, seg.table_id, seg.slot,
-                        _handle(seg) if seg.kind == FD else None))
+                        _handle(seg) if seg.own and seg.kind == FD else None))
 
 
-def _handle(seg: Segment) -> tuple[int, int, int, int, int] | None:
-    """A memfd segment's (fd, inode, lease shard's fd, its inode, owner): see
-    ``LaneContext.handle``.  An own one's (owner 0) only for slabs: a reader keeps the
-    fds of what it was sent this way (which would pin a segment of its own file after its
-    creator let go of it), and the sender keeps the memory until the reader took the
-    message (which would keep a BatchPool's slot from coming back when the reader lets
-    go).  A received one's (its memfd kept here) names the pid of the process that made
-    it, the one reader it may go to this way: that one maps it and holds it through its
-    own lease table, so it is sent no fds and keeps none."""
+def _handle(seg: Segment) -> tuple[int, int, int, int] | None:
+    """An own memfd segment's (fd, inode, lease shard's fd, its inode): see
+    ``LaneContext.handle``.  Not a BatchPool's slot's: the sender keeps the memory until
+    the reader took the message, which would keep the slot from coming back when the
+    reader lets go (so would a slot of its shared file).  Not a received segment's: its
+    sender's hold is the only thing that keeps the memory (see docs/channel-design.md)."""
     fd = seg.fd
-    if fd is None:
-        return None
-    if not seg.own:
-        if not seg.ino:
-            seg.ino = os.fstat(fd).st_ino
-        return fd, seg.ino, -1, 0, int(seg.table_id.partition("_")[0])
     table = ofd_lease.own_table()
-    if not seg.slab or seg.table_id != table.id:
+    if fd is None or seg.pinned or seg.file is not None or seg.table_id != table.id:
         return None
     if not seg.ino:
         seg.ino = os.fstat(fd).st_ino
     shard_fd, shard_ino = table.shard(seg.slot)
-    return fd, seg.ino, shard_fd, shard_ino, 0
+    return fd, seg.ino, shard_fd, shard_ino
 
 
 def held_attach(data: Payload, seg_fd: Callable[[], int],

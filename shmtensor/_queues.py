@@ -311,6 +311,7 @@ class _ShmQueue(_OnChannel, _QueueBase):
         data: bytes | None
         ctx: SendContext | None
         item: Frame | _Unpicklable
+        self._chan.prune()
         try:
             data, ctx = _reductions.dumps(obj)
         except OSError as e:  # no fd or shared memory for a segment
@@ -767,6 +768,7 @@ class SimpleQueue(_OnChannel, _SimpleQueueBase):
 
     def put(self, obj: object) -> None:
         self._writer._check_closed()
+        self._chan.prune()
         data, ctx = dumps_to_send(obj, "put() failed")
         try:
             self._chan.post(data, ctx)
@@ -782,6 +784,7 @@ class SimpleQueue(_OnChannel, _SimpleQueueBase):
         it sends nothing or the whole message (each try is whole or not begun).  Sends
         from one loop keep their order."""
         self._writer._check_closed()
+        self._chan.prune()
         data, ctx = dumps_to_send(obj, "put() failed")
         try:
             await _retried(lambda: self._chan.post(data, ctx, False), Full, None)

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import atexit
 import bisect
-import errno
 import itertools
 import os
 import queue
@@ -484,11 +483,16 @@ def _reuse(need: int, kind: str, table: ofd_lease.LeaseTable) -> Segment | None:
                 continue
             probed += 1
             if not table.is_held(seg.slot):
-                _own_idle_drop(seg)
-                _stats.bump("segments_recycled")
-                return seg
+                return _recycled(seg)
             bucket.move_to_end(seg.key)  # held for long: look at the others first next time
     return None
+
+
+def _recycled(seg: Segment) -> Segment:
+    """An own idle segment nobody holds, handed out again (caller holds ``_lock``)."""
+    _own_idle_drop(seg)
+    _stats.bump("segments_recycled")
+    return seg
 
 
 def _mark_slab(seg: Segment, slab: bool) -> None:
@@ -610,15 +614,7 @@ def _next_slab(nbytes: int, kind: str) -> Segment:
         else:
             _destroy(seg)
     if chosen is not None:
-        _own_idle_drop(chosen)
-        if kind == FD:
-            # A new slot for each use: a message without fds that names the old one (a
-            # record sent back by a process that then died, so that nothing held the slab
-            # meanwhile) is then known to name memory reused since (see _attached).  A
-            # named slab keeps its slot, by which the janitor knows when to unlink it.
-            chosen.slot = table.new_slot()
-        _stats.bump("segments_recycled")
-        return chosen
+        return _recycled(chosen)
     try:
         seg = _create(target, kind, table)
     except posix_shm.ShmSpaceError as e:
@@ -815,8 +811,6 @@ def _attached(key: str, kind: str, size: int, table_id: str, slot: int,
     global _kept_fds
     seg = _by_key.get(key)
     if seg is not None and seg.mm is not None:
-        if seg.slot != slot:
-            _renewed(seg, slot)
         return seg, False
     name, offset = file_of(key)
     if type(fds) is not list:
@@ -853,21 +847,6 @@ def _attached(key: str, kind: str, size: int, table_id: str, slot: int,
             seg.close()
         raise
     return seg, took
-
-
-def _renewed(seg: Segment, slot: int) -> None:
-    """A message names ``seg`` by another slot than it has here (caller holds ``_lock``):
-    its creator reused it (a new slot for each use of a slab), which it does only once
-    nobody holds it.  An attached segment takes the new slot.  An own one was reused by
-    this process after the message's sender let go of it: the array's memory is someone
-    else's now."""
-    _settle()  # releases a dead anchor's hold by the slot it was taken by, first
-    if seg.own or seg.alive():
-        raise OSError(errno.ESTALE,
-                      f"segment {seg.key} was reused by its creator (slot {seg.slot}) after "
-                      f"this message was sent (slot {slot}): its sender died before the "
-                      f"message was taken, so nothing held the memory")
-    seg.slot = slot
 
 
 def new_segment(key: str, kind: str, size: int, table_id: str, slot: int, own: bool, fd: int,

@@ -113,3 +113,20 @@ def echo(inbox, outbox, n, die=False):
         os.kill(os.getpid(), 9)
     outbox.close()
     outbox.join_thread()
+
+
+def put_big_then_free(q, n, nbytes, took, freed):
+    """Put one array of ``nbytes`` (its own segment, not a slab's) ``n`` times; once the
+    reader took them (``took``), put ``"x"`` (which lets go of what the records held),
+    let go of the array and destroy its segment (``shmtensor.empty_cache``), and signal
+    ``freed``."""
+    a = shmtensor.full((nbytes // 8,), 5, dtype=np.int64)
+    for _ in range(n):
+        q.put(a)
+    took.wait(60)
+    q.put("x")
+    del a
+    shmtensor.empty_cache()
+    freed.set()
+    q.close()
+    q.join_thread()

@@ -20,7 +20,8 @@ import shmtensor.multiprocessing as smp
 from shmtensor import _channel
 
 from conftest import JOIN, join_all
-from handle_helpers import (echo, put_after_first, put_many, put_six, stream_and_count_slabs,
+from handle_helpers import (echo, put_after_first, put_big_then_free, put_many, put_six,
+                            stream_and_count_slabs,
                             take_all, take_first_then_rest, take_two_and_wait,
                             three_then_none)
 
@@ -177,11 +178,38 @@ def test_a_record_naming_memory_it_cannot_find_is_lost_once_with_an_error(lc):
     q.close()
 
 
-def test_a_reader_that_keeps_too_many_files_starts_a_new_generation(lc, monkeypatch,
-                                                                    counted):
-    # four producers, a slab each, a reader that keeps two files: it starts new
-    # generations (its writers announce again), and keeps no more than two
-    monkeypatch.setattr(_channel, "_keep_max", lambda: 2)
+def test_a_record_naming_a_view_its_memory_cannot_have_is_lost_once(lc):
+    # a peer's record naming this process's own slab (so it attaches) with a view past
+    # its end: lost once with an OSError, then the queue goes on
+    from shmtensor import _segments
+    from shmtensor._reductions import NUMPY_LANE
+    q = smp.get_context("fork").Queue()
+    a = shmtensor.full((256,), 5, dtype=np.int64)
+    seg = _segments.segment_of(a)
+    head = _channel._HELD_HEAD.pack(os.getpid(), 0, 1, 0, 1, 0)
+    handle = pickle.dumps((seg.key, seg.kind, seg.size, seg.table_id, seg.slot,
+                           seg.size - 8, (256,), None, "<i8", False))
+    assert q._sem.acquire(False)
+    q._chan.ring.put(_channel._HELD + head + NUMPY_LANE + handle)
+    q.put("after")
+    with pytest.raises(OSError, match="malformed"):
+        q.get(timeout=JOIN)
+    assert q.get(timeout=JOIN) == "after"
+    assert (a == 5).all()
+    del a
+    q.close()
+
+
+@pytest.mark.parametrize("limit", ["files", "bytes"])
+def test_a_reader_that_keeps_too_much_starts_a_new_generation(lc, monkeypatch, counted,
+                                                              limit):
+    # four producers, a slab each, a reader that keeps two files (or 5 MiB of memory):
+    # it starts new generations (its writers announce again), and keeps no more
+    cap = 5 << 20
+    if limit == "files":
+        monkeypatch.setattr(_channel, "_keep_max", lambda: 2)
+    else:
+        monkeypatch.setattr(_channel, "_KEEP_BYTES", cap)
     ctx = smp.get_context("fork")
     q = ctx.Queue(64)
     n = 500
@@ -193,7 +221,10 @@ def test_a_reader_that_keeps_too_many_files_starts_a_new_generation(lc, monkeypa
         a = q.get(timeout=JOIN)
         assert (a == a[0]).all()
         seen[int(a[0]) // 100_000].append(int(a[0]) % 100_000)
-        assert len(q._chan._keep) <= 2
+        if limit == "files":
+            assert len(q._chan._keep) <= 2
+        else:
+            assert sum(o[2] for o in q._chan._origin.values()) <= cap
         del a
     join_all(*ps)
     assert all(p.exitcode == 0 for p in ps)
@@ -341,9 +372,9 @@ def _address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
 
-def test_an_array_sent_back_to_its_maker_goes_without_fds(lc, counted):
-    # The reader made the memory: it maps and holds it already, so nothing is announced
-    # and nothing is kept; the array comes back as the very memory it sent.
+def test_an_array_sent_back_to_its_maker_is_its_own_memory(lc):
+    # A received array goes on with its fds (its sender's hold is all that keeps the
+    # memory: see the next test), and comes back to its maker as the memory it sent.
     n = 200
     out, back, p = _echoing(n)
     fds = None
@@ -354,7 +385,6 @@ def test_an_array_sent_back_to_its_maker_goes_without_fds(lc, counted):
         assert _address(b) == _address(a) and (b == i).all()
         fds = fds or _fds()
         del a, b
-    assert counted[0] == n
     assert _fds() == fds
     join_all(p)
     assert p.exitcode == 0
@@ -362,37 +392,93 @@ def test_an_array_sent_back_to_its_maker_goes_without_fds(lc, counted):
     back.close()
 
 
-def _reuse(seg) -> None:
-    """Carve and let go of arrays until this process reuses slab ``seg`` (a new slot)."""
-    slot, deadline = seg.slot, time.monotonic() + JOIN
-    while seg.slot == slot:
-        assert time.monotonic() < deadline, "the slab was never reused"
-        shmtensor.empty(60_000, dtype=np.uint8)
-
-
-@pytest.mark.parametrize("reused", [False, True])
-def test_an_array_whose_sender_died_after_sending_it_back_arrives_or_is_lost(lc, reused):
-    # The child sends the array back without fds and dies: nothing holds the memory but
-    # this process's own arrays.  Not reused meanwhile, it arrives whole; reused (all of
-    # the slab let go of, then carved again), the message is lost with an error that says
-    # so, never a view of someone else's data, and the queue goes on.
-    from shmtensor import _segments
+def test_an_array_sent_back_by_a_process_killed_at_once_arrives_whole(lc):
+    # The child sends the array back and is killed; its maker lets go of it and carves
+    # and drops arrays enough to cycle through slabs before it takes the message: the
+    # message still holds its memory (its in-flight lease description), so the slab is
+    # never reused under it.
     out, back, p = _echoing(1, die=True)
     a = shmtensor.full((256,), 7, dtype=np.int64)
-    seg = _segments.segment_of(a)
     out.put(a)
     join_all(p)
     assert p.exitcode == -signal.SIGKILL
-    if reused:
-        del a
-        _reuse(seg)
-        with pytest.raises(OSError, match="was reused by its creator"):
-            back.get(timeout=JOIN)
-    else:
-        b = back.get(timeout=JOIN)
-        assert _address(b) == _address(a) and (b == 7).all()
-        del a, b
+    del a
+    recycled = shmtensor.debug_info()["segments"]["recycled"]
+    for _ in range(500):
+        shmtensor.full(60_000, 1, dtype=np.uint8)
+    assert shmtensor.debug_info()["segments"]["recycled"] > recycled  # slabs did cycle
+    b = back.get(timeout=JOIN)
+    assert (b == 7).all()
+    del b
     back.put("after")
     assert back.get(timeout=JOIN) == "after"
     out.close()
     back.close()
+
+
+def _fds_of(ino: int) -> int:
+    """How many fds of the file of inode ``ino`` this process has."""
+    n = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            n += os.stat(f"/proc/self/fd/{name}").st_ino == ino
+        except OSError:
+            pass
+    return n
+
+
+def test_an_array_of_its_own_segment_goes_without_fds_and_its_kept_fd_goes_once_freed(
+        lc, counted, monkeypatch):
+    # An array too large for a slab has a memfd of its own: announced once, then named,
+    # whatever its size.  The reader keeps its memfd while the writer has it; once the
+    # writer destroyed it, a reader that drains the queue lets go of it (the next sweep),
+    # so that only its receive cache's mapping (and the fd that keeps) remain, until
+    # evicted.
+    from shmtensor import _segments
+    monkeypatch.setattr(_channel, "_SWEEP_SECONDS", 0.0)
+    n, nbytes = 50, 8 << 20
+    ctx = smp.get_context("spawn")
+    q, took, freed = ctx.Queue(), ctx.Event(), ctx.Event()
+    q.put("join")  # this process becomes the sole reader first
+    assert q.get(timeout=JOIN) == "join"
+    p = ctx.Process(target=put_big_then_free, args=(q, n, nbytes, took, freed))
+    p.start()
+    got = [q.get(timeout=JOIN) for _ in range(n)]
+    assert all(a.nbytes == nbytes and a[0] == 5 and a[-1] == 5 for a in got)
+    assert counted[0] == n - 1  # all but the announce
+    seg = _segments.segment_of(got[0])
+    ino = os.fstat(seg.fd).st_ino
+    assert _fds_of(ino) == 2  # the queue's, and the receive cache's
+    del got, seg
+    took.set()
+    assert q.get(timeout=JOIN) == "x"
+    assert freed.wait(JOIN)
+    # a get that drains the queue sweeps: the writer's fd is gone; the kept one closes
+    # once head passes every record that may name it
+    for word in ("sweep", "a", "b"):
+        q.put(word)
+        assert q.get(timeout=JOIN) == word
+    assert _fds_of(ino) == 1
+    shmtensor.empty_cache()
+    assert _fds_of(ino) == 0
+    join_all(p)
+    assert p.exitcode == 0
+    q.close()
+
+
+def test_an_array_of_its_own_segment_outlives_its_writer_in_the_queue(lc, counted):
+    n, nbytes = 20, 4 << 20
+    ctx = smp.get_context("spawn")
+    q, took, freed = ctx.Queue(), ctx.Event(), ctx.Event()
+    q.put("join")
+    assert q.get(timeout=JOIN) == "join"
+    took.set()
+    p = ctx.Process(target=put_big_then_free, args=(q, n, nbytes, took, freed))
+    p.start()
+    join_all(p)  # gone, its segment destroyed there, before a single get
+    assert p.exitcode == 0
+    got = [q.get(timeout=JOIN) for _ in range(n)]
+    assert all(a[0] == 5 and a[-1] == 5 for a in got)
+    assert counted[0] == n - 1
+    assert q.get(timeout=JOIN) == "x"
+    q.close()
