@@ -234,10 +234,10 @@ class Channel:
         without fds to a channel's sole reader that was sent them once, as a record of
         its own (see docs/channel-design.md, "fds only when new"): the first message of
         each memfd (and lease file) to that reader *announces* it (its fds go with it, and
-        the reader keeps them), and each later one names it.  Its anchor (``ctx.keep``) is then kept here until the reader took the
-        record, and so holds the memory meanwhile.  The caller releases ``ctx`` after, as
-        after :meth:`send`."""
-        self.prune()
+        the reader keeps them), and each later one names it.  Its anchor (``ctx.keep``) is
+        then kept here until the reader took the record, and so holds the memory
+        meanwhile.  The caller releases ``ctx`` after, as after :meth:`send`, and calls
+        :meth:`prune` before it pickles."""
         handle = ctx.handle
         if handle is None or len(data) > SIDE_MAX:
             self.send(data, ctx.wire_fds(), block, timeout)
@@ -275,8 +275,9 @@ class Channel:
 
     def prune(self) -> None:
         """Let go of the anchors of records without fds taken since (and of closed
-        channels'): a put calls it before it pickles, so that the memory of a message
-        its reader took and let go of is free for the next one."""
+        channels'): a put calls it before it pickles (so that the memory of a message its
+        reader took and let go of is free for the next one), and before it posts what a
+        feeder thread holds."""
         if self._pending or _lingering:
             _prune(self._pending, self.ring.head)
 

@@ -25,6 +25,7 @@ import os
 import pickle
 import struct
 from collections.abc import Callable
+from ctypes import addressof, c_char
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -43,11 +44,26 @@ Reduction = tuple[Callable[..., Any], tuple[Any, ...]]
 
 
 def _dt(dt: np.dtype[Any]) -> str | np.dtype[Any]:
-    return dt.str if dt.fields is None and dt.subdtype is None and not dt.metadata else dt
+    """A dtype as a message names it: its string when that says all of it, else itself."""
+    name = _dt_names.get(dt)
+    if name is None:
+        name = dt.str if dt.fields is None and dt.subdtype is None and not dt.metadata else dt
+        if len(_dt_names) < 256:
+            _dt_names[dt] = name
+    return name
+
+
+_dt_names: dict[np.dtype[Any], str | np.dtype[Any]] = {}  # a few, never evicted
 
 
 def _ptr(a: np.ndarray) -> int:
-    return cast(int, a.__array_interface__["data"][0])
+    """The address of ``a``'s first element.  A ctypes view of its buffer is the quick
+    way; an array that exports none as that asks (read-only, not C-contiguous, empty)
+    takes numpy's array interface, which builds a dict of all of its layout."""
+    try:
+        return addressof(c_char.from_buffer(cast(Any, a)))  # (stubs miss its buffer)
+    except (TypeError, ValueError, BufferError):
+        return cast(int, a.__array_interface__["data"][0])
 
 
 def _reduce_ndarray(a: np.ndarray) -> tuple[Any, ...]:

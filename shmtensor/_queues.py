@@ -654,6 +654,7 @@ class _Sending:
 def _try_send(item: Frame, chan: Channel) -> bool:
     """Send a frame if the channel takes it now: True (and its buffer let go), or False
     with nothing sent (the channel full).  An error leaves the frame whole."""
+    chan.prune()
     try:
         chan.post(item.data, item.ctx, False)
     except Full:
