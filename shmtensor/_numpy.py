@@ -171,14 +171,14 @@ def lane_dumps(a: np.ndarray) -> tuple[bytes, _wire.SendContext] | None:
 
 
 def _handle(seg: Segment) -> tuple[int, int, int, int] | None:
-    """An own memfd segment's (fd, inode, lease shard's fd, its inode): see
-    ``LaneContext.handle``.  Not a BatchPool's slot's: the sender keeps the memory until
-    the reader took the message, which would keep the slot from coming back when the
-    reader lets go (so would a slot of its shared file).  Not a received segment's: its
-    sender's hold is the only thing that keeps the memory (see docs/channel-design.md)."""
+    """An own memfd slab's (fd, inode, lease shard's fd, its inode): see
+    ``LaneContext.handle``.  Only slabs (see docs/channel-design.md, "What was built"):
+    a reader keeps the fds of what it was sent this way, which for a segment of its own
+    would pin memory its creator gives back under pressure; and a received segment's
+    sender's hold is the only thing that keeps the memory in flight."""
     fd = seg.fd
     table = ofd_lease.own_table()
-    if fd is None or seg.pinned or seg.file is not None or seg.table_id != table.id:
+    if fd is None or not seg.slab or seg.table_id != table.id:
         return None
     if not seg.ino:
         seg.ino = os.fstat(fd).st_ino

@@ -115,17 +115,16 @@ def echo(inbox, outbox, n, die=False):
     outbox.join_thread()
 
 
-def put_big_then_free(q, n, nbytes, took, freed):
-    """Put one array of ``nbytes`` (its own segment, not a slab's) ``n`` times; once the
-    reader took them (``took``), put ``"x"`` (which lets go of what the records held),
-    let go of the array and destroy its segment (``shmtensor.empty_cache``), and signal
-    ``freed``."""
-    a = shmtensor.full((nbytes // 8,), 5, dtype=np.int64)
-    for _ in range(n):
+def put_and_free(q, n, nbytes, took, freed):
+    """Put ``n`` arrays of ``nbytes`` (one slab); once the reader took them (``took``),
+    put ``"x"`` (which lets go of what the records held), let go of the slab and destroy
+    it (``shmtensor.empty_cache``), and signal ``freed``."""
+    kept = [shmtensor.full((nbytes // 8,), 5, dtype=np.int64) for _ in range(n)]
+    for a in kept:
         q.put(a)
     took.wait(60)
     q.put("x")
-    del a
+    del kept, a
     shmtensor.empty_cache()
     freed.set()
     q.close()
