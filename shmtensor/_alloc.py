@@ -73,11 +73,15 @@ def empty(shape: int | tuple[int, ...], dtype: DTypeLike = float,
     else:
         shape = _shape(shape)
     try:
+        # a dtype with metadata is equal, and hashed equal, to the one without: it is
+        # neither looked up nor a key, or one would answer for the other
+        if isinstance(dtype, np.dtype) and dtype.metadata:
+            raise KeyError(dtype)
         dt = _dtypes[dtype]
     except (KeyError, TypeError):
         dt = _dtype(dtype)
         try:
-            if len(_dtypes) < 256:
+            if len(_dtypes) < 256 and not dt.metadata:
                 _dtypes[dtype] = dt
         except TypeError:  # unhashable dtype specification
             pass

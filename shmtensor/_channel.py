@@ -402,7 +402,8 @@ class Channel:
         taken = self._taken
         if number <= self._last[0] or (taken and taken[-1][0] >= number):
             return  # taken already by this process (an exception before head moved)
-        if self.ring.tail - number <= 1:  # nothing waits after this record
+        if (self._hot or self._origin) and self.ring.tail - number <= 1:
+            # nothing waits after this record
             if self._hot:
                 self._hot.clear()  # keep no slab (_attach)
             if self._origin and time.monotonic() >= self._sweep_at:

@@ -45,15 +45,19 @@ Reduction = tuple[Callable[..., Any], tuple[Any, ...]]
 
 def _dt(dt: np.dtype[Any]) -> str | np.dtype[Any]:
     """A dtype as a message names it: its string when that says all of it, else itself."""
+    if dt.metadata:  # equal (and hashed equal) to the dtype without it: never looked up
+        return dt
     name = _dt_names.get(dt)
     if name is None:
-        name = dt.str if dt.fields is None and dt.subdtype is None and not dt.metadata else dt
+        if dt.fields is not None or dt.subdtype is not None:
+            return dt
+        name = dt.str
         if len(_dt_names) < 256:
             _dt_names[dt] = name
     return name
 
 
-_dt_names: dict[np.dtype[Any], str | np.dtype[Any]] = {}  # a few, never evicted
+_dt_names: dict[np.dtype[Any], str] = {}  # a few, never evicted
 
 
 def _ptr(a: np.ndarray) -> int:

@@ -483,16 +483,11 @@ def _reuse(need: int, kind: str, table: ofd_lease.LeaseTable) -> Segment | None:
                 continue
             probed += 1
             if not table.is_held(seg.slot):
-                return _recycled(seg)
+                _own_idle_drop(seg)
+                _stats.bump("segments_recycled")
+                return seg
             bucket.move_to_end(seg.key)  # held for long: look at the others first next time
     return None
-
-
-def _recycled(seg: Segment) -> Segment:
-    """An own idle segment nobody holds, handed out again (caller holds ``_lock``)."""
-    _own_idle_drop(seg)
-    _stats.bump("segments_recycled")
-    return seg
 
 
 def _mark_slab(seg: Segment, slab: bool) -> None:
@@ -614,7 +609,9 @@ def _next_slab(nbytes: int, kind: str) -> Segment:
         else:
             _destroy(seg)
     if chosen is not None:
-        return _recycled(chosen)
+        _own_idle_drop(chosen)
+        _stats.bump("segments_recycled")
+        return chosen
     try:
         seg = _create(target, kind, table)
     except posix_shm.ShmSpaceError as e:

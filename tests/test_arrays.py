@@ -355,3 +355,14 @@ def test_a_dtype_with_metadata_keeps_it_after_the_same_dtype_went_plain():
     dt = np.dtype(np.float64, metadata={"unit": "m"})
     got = roundtrip(np.ones(3, dt))
     assert plain.dtype.metadata is None and got.dtype.metadata == {"unit": "m"}
+
+
+def test_a_shared_array_keeps_its_dtypes_metadata_after_the_same_dtype_without_it():
+    # a dtype with metadata is equal (and hashes equal) to the one without: no cache of
+    # either may answer for the other
+    dt = np.dtype(np.float64, metadata={"unit": "m"})
+    plain = roundtrip(shmtensor.ones(3, np.dtype(np.float64)))
+    made = shmtensor.ones(3, dt)
+    got = roundtrip(made)
+    assert plain.dtype.metadata is None
+    assert made.dtype.metadata == {"unit": "m"} and got.dtype.metadata == {"unit": "m"}
