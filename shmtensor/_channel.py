@@ -497,7 +497,7 @@ class Channel:
         self._sweep_at = time.monotonic() + _SWEEP_SECONDS
         keep, gone = self._keep, dict[int, int]()
         for ino, (pid, fd_no, _) in list(self._origin.items()):
-            if pid and not _is_file(f"/proc/{pid}/fd/{fd_no}", self._dev, ino):
+            if pid and not _is_file(f"/proc/{pid}/fd/{fd_no}", self._dev, ino, True):
                 del self._origin[ino]
                 if ino in keep:  # moved in one step (C): an exception never loses it
                     _consume(map(gone.__setitem__, (ino,), map(keep.pop, (ino,))))
@@ -835,10 +835,13 @@ def _word(w: int, index: int, pid: int) -> int:
     return ((w >> 48) + 1 & 0xFFFF or 1) << 48 | index << 32 | pid
 
 
-def _is_file(path: str, dev: int, ino: int) -> bool:
-    """Whether ``path`` (a /proc fd link) is the file (``dev``, ``ino``)."""
+def _is_file(path: str, dev: int, ino: int, denied: bool = False) -> bool:
+    """Whether ``path`` (a /proc fd link) is the file (``dev``, ``ino``); ``denied`` where
+    this process may not look (its process made itself undumpable), which says neither."""
     try:
         st = os.stat(path)
+    except PermissionError:
+        return denied
     except OSError:
         return False
     return st.st_ino == ino and st.st_dev == dev

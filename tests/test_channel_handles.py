@@ -450,6 +450,20 @@ def test_a_kept_slab_fd_goes_once_its_writer_destroyed_the_slab(lc, counted, mon
     took.set()
     assert q.get(timeout=JOIN) == "x"
     assert freed.wait(JOIN)
+    # a writer whose fds this process may not look at (it made itself undumpable, this
+    # process not root) may have it still: kept
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        if str(path).startswith(f"/proc/{p.pid}/"):
+            raise PermissionError(13, "denied", path)
+        return real_stat(path, *args, **kwargs)
+    monkeypatch.setattr(os, "stat", stat)
+    for word in ("sweep", "a", "b"):
+        q.put(word)
+        assert q.get(timeout=JOIN) == word
+    assert _fds_of(ino) == 2
+    monkeypatch.setattr(os, "stat", real_stat)
     # a get that drains the queue sweeps: the writer's fd is gone; the kept one closes
     # once head passes every record that may name it
     for word in ("sweep", "a", "b"):
