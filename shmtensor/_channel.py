@@ -49,7 +49,7 @@ from typing import Any, TypeVar, cast
 from shmtensor.ipc import ofd_lease, scm_rights, shm_space
 from shmtensor.ipc.ring import Ring
 
-from . import _reductions, _segments
+from . import _reductions
 from ._wire import Payload, SendContext
 
 _T = TypeVar("_T")
@@ -869,14 +869,12 @@ _lingering: list[tuple[Ring, collections.deque[tuple[int, object]]]] = []
 _writing: weakref.WeakSet[Channel] = weakref.WeakSet()  # channels that kept anchors
 
 
-def _prune_all() -> None:
-    """Let go of every channel's anchors of records taken: before a segment is made, so
-    that one whose message its reader took since the last put is reused instead."""
+def prune_all() -> None:
+    """Let go of every channel's anchors of records taken: before a segment is made
+    (``_segments.before_acquire``), so that one whose message its reader took since the
+    last put is reused instead."""
     for channel in list(_writing):
         channel.prune()
-
-
-_segments.before_acquire.append(_prune_all)
 _prune_lock = threading.Lock()
 
 

@@ -33,7 +33,7 @@ import numpy.typing as npt
 
 from shmtensor.ipc import ofd_lease, scm_rights
 
-from . import _log, _registry, _segments, _stats, _strategy, _wire
+from . import _channel, _log, _registry, _segments, _stats, _strategy, _wire
 from ._reductions import NUMPY_LANE, PLAIN_LANE
 from ._segments import FD, Segment
 from ._wire import LaneContext, attach_fd, inflight_index, keep_alive, received_lease
@@ -189,6 +189,11 @@ def _handle(seg: Segment) -> tuple[int, int, int, int, int] | None:
         seg.ino = os.fstat(fd).st_ino
     shard_fd, shard_ino = table.shard(seg.slot)
     return fd, seg.ino, shard_fd, shard_ino, 0 if seg.slab else seg.size
+
+
+# a record without fds keeps its array's anchor until taken: let go of those taken before
+# a segment is chosen, so that one is reused
+_segments.before_acquire.append(_channel.prune_all)
 
 
 def held_attach(data: Payload, seg_fd: Callable[[], int],
