@@ -47,7 +47,7 @@ from multiprocessing import reduction
 from typing import Any, TypeVar, cast
 
 from shmtensor.ipc import ofd_lease, scm_rights
-from shmtensor.ipc.ring import Ring
+from shmtensor.ipc.ring import MAX_PROCS, Ring
 
 from . import _reductions
 from ._wire import Payload, SendContext
@@ -58,8 +58,8 @@ _INLINE, _SIDE, _BIG = b"I", b"S", b"B"
 _ANN, _HELD = b"A", b"H"  # a handle's announce (a side record), and its record without fds
 _TAG = struct.Struct("=Q")  # a side record: its kind, then its datagram's tag
 # an announce: its datagram's tag, the inodes of the memory's memfd and of its lease file,
-# and the writer's fd number of the memfd
-_ANN_HEAD = struct.Struct("=QQQi")
+# the writer's fd number of the memfd and its process index in the ring
+_ANN_HEAD = struct.Struct("=QQQii")
 # a handle's record without fds: the writer's pid, its fds of the memory's memfd and of
 # the lease file, their inodes, and the reader word it was written under
 _HELD_HEAD = struct.Struct("=IiQiQQ")
@@ -271,7 +271,8 @@ class Channel:
             w = user[_READER]
             for ino in inos:
                 announced[ino] = w
-        ring.put(_ANN + _ANN_HEAD.pack(tag, *inos, seg_fd), block, timeout, hook=side)
+        ring.put(_ANN + _ANN_HEAD.pack(tag, *inos, seg_fd, ring.index), block, timeout,
+                 hook=side)
 
     def prune(self) -> None:
         """Let go of the anchors of records without fds taken since (and of closed
@@ -501,12 +502,12 @@ class Channel:
         if not self._mine or len(fds) != 2 or len(data) < 1 + _ANN_HEAD.size:
             return frame, []  # loaded as any message (the loader says what is malformed)
         keep = self._keep
-        tag, seg_ino, _, seg_no = _ANN_HEAD.unpack_from(data, 1)
+        tag, seg_ino, _, seg_no, index = _ANN_HEAD.unpack_from(data, 1)
         if seg_ino not in keep:
             try:
                 if len(keep) >= _keep_max():
                     raise OSError(errno.EMFILE, "kept enough")
-                self._note_origin(seg_ino, tag >> 32, seg_no, fds[0])
+                self._note_origin(seg_ino, tag >> 32, seg_no, index, fds[0])
                 _consume(map(keep.__setitem__, (seg_ino,), map(os.dup, (fds[0],))))
             except OSError:  # a new generation (writers announce again), kept from empty
                 self._retire()
@@ -517,16 +518,19 @@ class Channel:
         return self._attach(number, tag >> 32, frame.data, lambda: fds[0],
                             lambda: fds[1]), fds
 
-    def _note_origin(self, ino: int, pid: int, fd_no: int, fd: int) -> None:
+    def _note_origin(self, ino: int, pid: int, fd_no: int, index: int, fd: int) -> None:
         """Note where a memfd about to be kept comes from, for :meth:`_sweep`: raises
-        ``OSError`` if keeping it would pass :data:`_KEEP_BYTES`.  One whose writer's fd
-        this process cannot see (another pid namespace) is never swept (pid 0)."""
+        ``OSError`` if keeping it would pass :data:`_KEEP_BYTES`.  One whose writer (of
+        process index ``index`` in the ring) still has the ring, and an fd this process
+        cannot see (another pid namespace), is never swept (pid 0); one whose writer no
+        longer has the ring (exited, or closed the queue) is swept at the next sweep."""
         size = os.fstat(fd).st_size
         if sum(o[2] for o in self._origin.values()) + size > _KEEP_BYTES:
             raise OSError(errno.ENOSPC, "kept enough bytes")
         if self._dev < 0:
             self._dev = os.fstat(self.ring.fd).st_dev
-        seen = _is_file(f"/proc/{pid}/fd/{fd_no}", self._dev, ino)
+        seen = (_is_file(f"/proc/{pid}/fd/{fd_no}", self._dev, ino)
+                or 0 <= index < MAX_PROCS and not self.ring.alive(index))
         self._origin[ino] = (pid if seen else 0, fd_no, size)
 
     def _held(self, number: int, data: bytes) -> scm_rights.Frame:

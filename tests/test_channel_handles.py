@@ -447,9 +447,6 @@ def test_a_kept_slab_fd_goes_once_its_writer_destroyed_the_slab(lc, counted, mon
     ino = os.fstat(seg.fd).st_ino
     assert _fds_of(ino) == 2  # the queue's, and the receive cache's
     del got, seg
-    took.set()
-    assert q.get(timeout=JOIN) == "x"
-    assert freed.wait(JOIN)
     # a writer whose fds this process may not look at (it made itself undumpable, this
     # process not root) may have it still: kept
     real_stat = os.stat
@@ -459,6 +456,9 @@ def test_a_kept_slab_fd_goes_once_its_writer_destroyed_the_slab(lc, counted, mon
             raise PermissionError(13, "denied", path)
         return real_stat(path, *args, **kwargs)
     monkeypatch.setattr(os, "stat", stat)
+    took.set()
+    assert q.get(timeout=JOIN) == "x"
+    assert freed.wait(JOIN)
     for word in ("sweep", "a", "b"):
         q.put(word)
         assert q.get(timeout=JOIN) == word
@@ -474,4 +474,28 @@ def test_a_kept_slab_fd_goes_once_its_writer_destroyed_the_slab(lc, counted, mon
     assert _fds_of(ino) == 0
     join_all(p)
     assert p.exitcode == 0
+    q.close()
+
+
+def test_a_kept_slab_fd_whose_writer_exited_before_its_announce_was_taken_goes(
+        lc, monkeypatch):
+    # its writer's fds cannot be looked at any more as the announce is taken: it is let
+    # go of at the next sweep, not kept until the queue closes
+    from shmtensor import _segments
+    monkeypatch.setattr(_channel, "_SWEEP_SECONDS", 0.0)
+    n = 20
+    q, p, first = _sole_reader_of(n)
+    join_all(p)  # gone before its announce is taken
+    assert p.exitcode == 0
+    got = [q.get(timeout=JOIN) for _ in range(n)]
+    assert [int(a[0]) for a in got] == list(range(1, n + 1))
+    ino = os.fstat(_segments.segment_of(got[0]).fd).st_ino
+    assert _fds_of(ino) == 2  # the queue's, and the receive cache's
+    del got, first
+    for word in ("sweep", "a", "b"):
+        q.put(word)
+        assert q.get(timeout=JOIN) == word
+    assert _fds_of(ino) == 1
+    shmtensor.empty_cache()
+    assert _fds_of(ino) == 0
     q.close()
