@@ -46,7 +46,7 @@ from itertools import starmap
 from multiprocessing import reduction
 from typing import Any, TypeVar, cast
 
-from shmtensor.ipc import ofd_lease, scm_rights
+from shmtensor.ipc import ofd_lease, scm_rights, shm_space
 from shmtensor.ipc.ring import MAX_PROCS, Ring
 
 from . import _reductions
@@ -113,7 +113,7 @@ class Channel:
 
     __slots__ = ("ring", "turn", "waitable", "_side_r", "_side_w", "_taken", "_last", "_raw",
                  "_made", "_handing", "_pid", "_spent", "_close", "_keep", "_old", "_mine",
-                 "_announced", "_pending", "_dev", "_hot", "_origin", "_sweep_at",
+                 "_announced", "_once", "_pending", "_dev", "_hot", "_origin", "_sweep_at",
                  "__weakref__")
 
     def __init__(self, ring: Ring, side_r: socket.socket, side_w: socket.socket) -> None:
@@ -131,6 +131,7 @@ class Channel:
         # of records sent without fds, kept until ``head`` passes them (their reader holds
         # the memory by then)
         self._announced: dict[int, int] = {}
+        self._once: dict[int, int] = {}  # the same for segments of their own sent once
         self._pending: collections.deque[tuple[int, object]] = collections.deque()
         self._dev = -1
         self._hot: dict[int, object] = {}  # writer pid -> its last slab's anchor (_attach)
@@ -246,7 +247,10 @@ class Channel:
             self._forked()
         ring, user = self.ring, cast(memoryview, self.ring.user)
         w = user[_READER]
-        seg_fd, seg_ino, shard_fd, shard_ino = handle
+        seg_fd, seg_ino, shard_fd, shard_ino, own = handle
+        if own and self._announced.get(seg_ino) != w and not self._again(seg_ino, w, own):
+            self.send(data, ctx.wire_fds(), block, timeout)
+            return
         if w & _PID and 1 + _HELD_HEAD.size + len(data) <= ring.payload_max:
             record = b"".join((_HELD, _HELD_HEAD.pack(os.getpid(), seg_fd, seg_ino, shard_fd,
                                                       shard_ino, w), data))
@@ -274,6 +278,24 @@ class Channel:
         ring.put(_ANN + _ANN_HEAD.pack(tag, *inos, seg_fd, ring.index), block, timeout,
                  hook=side)
 
+    def _again(self, ino: int, w: int, size: int) -> bool:
+        """Whether a segment of its own (not a slab) of ``size`` bytes may be announced to
+        the sole reader of word ``w``: only once sent to it before (most arrays are sent
+        once, and a reader that kept their fds would pin memory their writer gives back),
+        and while keeping it leaves the memory room a cgroup needs (as idle memory does:
+        under half its limit used)."""
+        once = self._once
+        if not w & _PID:
+            return False
+        if once.get(ino) != w:
+            if len(once) >= _ANNOUNCED_MAX:
+                once.clear()
+            once[ino] = w
+            return False
+        room = shm_space.memory_room()
+        return size <= room.free - (room.free * 3 // 4 if room.limit is None
+                                    else room.limit // 2)
+
     def prune(self) -> None:
         """Let go of the anchors of records without fds taken since (and of closed
         channels'): a put calls it before it pickles (so that the memory of a message its
@@ -298,6 +320,8 @@ class Channel:
                 raise _Unknown
             if tick is not None:
                 tick(number)
+            if not pending:
+                _writing.add(self)
             pending.append((number, anchor))
         return named
 
@@ -760,6 +784,7 @@ class Channel:
         self._origin.clear()
         self._hot.clear()
         self._announced.clear()
+        self._once.clear()
         self._pending.clear()  # this process's copies of the parent's anchors
         self._reset()
 
@@ -845,6 +870,15 @@ _consume = collections.deque[object](maxlen=0).extend  # runs an iterator out, i
 # Closed channels' anchors of records not yet taken, with their rings: let go of as the
 # records are taken (at later posts), or once no other process has the ring.
 _lingering: list[tuple[Ring, collections.deque[tuple[int, object]]]] = []
+_writing: weakref.WeakSet[Channel] = weakref.WeakSet()  # channels that kept anchors
+
+
+def prune_all() -> None:
+    """Let go of every channel's anchors of records taken: before a segment is made
+    (``_segments.before_acquire``), so that one whose message its reader took since the
+    last put is reused instead."""
+    for channel in list(_writing):
+        channel.prune()
 _prune_lock = threading.Lock()
 
 

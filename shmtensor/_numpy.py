@@ -33,7 +33,7 @@ import numpy.typing as npt
 
 from shmtensor.ipc import ofd_lease, scm_rights
 
-from . import _log, _registry, _segments, _stats, _strategy, _wire
+from . import _channel, _log, _registry, _segments, _stats, _strategy, _wire
 from ._reductions import NUMPY_LANE, PLAIN_LANE
 from ._segments import FD, Segment
 from ._wire import LaneContext, attach_fd, inflight_index, keep_alive, received_lease
@@ -174,20 +174,26 @@ def lane_dumps(a: np.ndarray) -> tuple[bytes, _wire.SendContext] | None:
                         _handle(seg) if seg.own and seg.kind == FD else None))
 
 
-def _handle(seg: Segment) -> tuple[int, int, int, int] | None:
-    """An own memfd slab's (fd, inode, lease shard's fd, its inode): see
-    ``LaneContext.handle``.  Only slabs (see docs/channel-design.md, "What was built"):
-    a reader keeps the fds of what it was sent this way, which for a segment of its own
-    would pin memory its creator gives back under pressure; and a received segment's
-    sender's hold is the only thing that keeps the memory in flight."""
+def _handle(seg: Segment) -> tuple[int, int, int, int, int] | None:
+    """An own memfd's (fd, inode, lease shard's fd, its inode, size or 0 for a slab): see
+    ``LaneContext.handle``.  Not a BatchPool's slot's: the sender keeps the memory until
+    the reader took the message, which would keep the slot from coming back when the
+    reader lets go (so would a slot of its shared file).  Not a received segment's: its
+    sender's hold is the only thing that keeps the memory in flight (see
+    docs/channel-design.md, "What was built")."""
     fd = seg.fd
     table = ofd_lease.own_table()
-    if fd is None or not seg.slab or seg.table_id != table.id:
+    if fd is None or seg.pinned or seg.file is not None or seg.table_id != table.id:
         return None
     if not seg.ino:
         seg.ino = os.fstat(fd).st_ino
     shard_fd, shard_ino = table.shard(seg.slot)
-    return fd, seg.ino, shard_fd, shard_ino
+    return fd, seg.ino, shard_fd, shard_ino, 0 if seg.slab else seg.size
+
+
+# a record without fds keeps its array's anchor until taken: let go of those taken before
+# a segment is chosen, so that one is reused
+_segments.before_acquire.append(_channel.prune_all)
 
 
 def held_attach(data: Payload, seg_fd: Callable[[], int],

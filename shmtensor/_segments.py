@@ -455,11 +455,18 @@ def _fits(cap: int, need: int) -> bool:
     return need <= cap <= max(2 * need, need + (64 << 10))
 
 
+# what frees held segments of this process on demand (a channel's anchors of messages
+# taken since its last put): run before a segment is chosen, so one of them can be
+before_acquire: list[Callable[[], None]] = []
+
+
 def acquire(nbytes: int, kind: str) -> tuple[Segment, np.ndarray]:
     """A segment of at least ``nbytes`` that nobody holds (recycled if possible, else new)
     and its anchor: held from the moment it is chosen, so no other thread can take it."""
     need = _capacity(nbytes)
     table = ofd_lease.own_table()
+    for hook in before_acquire:
+        hook()
     settle()
     with _lock:
         seg = _reuse(need, kind, table)

@@ -39,7 +39,7 @@ class SendContext:
 
     __slots__ = ("fds", "owned", "keep", "inflight", "memo", "__weakref__")
 
-    handle: tuple[int, int, int, int] | None = None  # see LaneContext
+    handle: tuple[int, int, int, int, int] | None = None  # see LaneContext
 
     def __init__(self) -> None:
         self.fds: list[int] = []
@@ -95,14 +95,14 @@ class LaneContext(SendContext):
     made when the message is sent.  ``keep`` keeps the data fd open until then.
 
     ``handle``: for memory this process made in a memfd, (its fd, its inode, the fd and
-    inode of its lease shard), by which a channel may send the message without fds to a
+    inode of its lease shard, its size or 0 for a slab), by which a channel may send the message without fds to a
     reader that has them (``_channel.Channel.post``); ``keep`` is then the anchor that
     holds the memory until that reader holds it."""
 
     __slots__ = ("table_id", "slot", "handle")
 
     def __init__(self, keep: object, fd: int | None, table_id: str, slot: int,
-                 handle: tuple[int, int, int, int] | None = None) -> None:
+                 handle: tuple[int, int, int, int, int] | None = None) -> None:
         self.keep = [keep]
         self.fds = [-1] if fd is None else [fd, -1]
         self.owned = []

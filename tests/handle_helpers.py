@@ -129,3 +129,39 @@ def put_and_free(q, n, nbytes, took, freed):
     freed.set()
     q.close()
     q.join_thread()
+
+
+OWN = 4 << 20  # bytes: past a slab's largest array, so each array is a segment of its own
+
+
+def put_again(q, n, room=None):
+    """Put one array (a segment of its own, of 7s) ``n`` times, then exit at once; with
+    ``room``, this process reads its memory room as ``room`` bytes free under a memory
+    cgroup limit of twice as many."""
+    if room is not None:
+        from shmtensor.ipc import shm_space
+        shm_space.memory_room = lambda max_age=0.0: shm_space.Room(room, "a test's", 2 * room)
+    a = shmtensor.full((OWN // 8,), 7, dtype=np.int64)
+    for _ in range(n):
+        q.put(a)
+    q.close()
+    q.join_thread()
+
+
+def put_fresh(q, n, ack=None):
+    """Put ``n`` fresh arrays (a segment of its own each, of ``i``), then this process's
+    segment counters.  Without ``ack``, every array stays alive here (none is reused);
+    with it, each is let go of after its put, and the next made once the reader says it
+    let go of it too (``ack.get``)."""
+    kept = []
+    for i in range(n):
+        a = shmtensor.full((OWN // 8,), i, dtype=np.int64)
+        q.put(a)
+        if ack is None:
+            kept.append(a)
+        else:
+            del a
+            ack.get(timeout=60)
+    q.put(shmtensor.debug_info()["segments"])
+    q.close()
+    q.join_thread()

@@ -1,4 +1,4 @@
-"""A one-array message of a slab goes without fds to a queue's sole reader that was sent
+"""A one-array message of a slab, or of a segment of its own sent again, goes without fds to a queue's sole reader that was sent
 them once (docs/channel-design.md, "fds only when new"): the guarantees of a message with
 fds hold (the producer may exit right after ``put``; a second reader, or one that follows
 a dead one, gets them through the writer's or the first reader's fds; nothing corrupt,
@@ -20,8 +20,8 @@ import shmtensor.multiprocessing as smp
 from shmtensor import _channel
 
 from conftest import JOIN, join_all
-from handle_helpers import (echo, put_after_first, put_and_free, put_many, put_six,
-                            stream_and_count_slabs,
+from handle_helpers import (OWN, echo, put_after_first, put_again, put_and_free, put_fresh,
+                            put_many, put_six, stream_and_count_slabs,
                             take_all, take_first_then_rest, take_two_and_wait,
                             three_then_none)
 
@@ -499,3 +499,76 @@ def test_a_kept_slab_fd_whose_writer_exited_before_its_announce_was_taken_goes(
     shmtensor.empty_cache()
     assert _fds_of(ino) == 0
     q.close()
+
+
+_spawn = smp.get_context("spawn")
+
+
+def _own_stream(target, *args):
+    """A spawned ``target(q, *args)`` whose queue this process reads alone from the start."""
+    q = _spawn.Queue()
+    q.put("join")  # this process becomes the sole reader first
+    assert q.get(timeout=JOIN) == "join"
+    p = _spawn.Process(target=target, args=(q, *args))
+    p.start()
+    return q, p
+
+
+def test_a_segment_of_its_own_sent_again_goes_without_fds(lc, counted):
+    # the first message of it goes with fds (most arrays are sent once), the second
+    # announces it, the rest name it; the producer exits right after its puts
+    n = 40
+    q, p = _own_stream(put_again, n)
+    join_all(p)
+    assert p.exitcode == 0
+    got = [q.get(timeout=JOIN) for _ in range(n)]
+    assert all(a.nbytes == OWN and (a == 7).all() for a in got)
+    assert counted[0] == n - 2
+    assert not q._chan._keep  # its writer is gone: the drained queue's sweep let go
+    del got
+    q.close()
+
+
+def test_a_segment_of_its_own_is_never_kept_where_memory_is_short(lc, counted):
+    # a writer under a cgroup with less than half its limit free sends its fds each time
+    n = 10
+    q, p = _own_stream(put_again, n, 64 << 20)
+    got = [q.get(timeout=JOIN) for _ in range(n)]
+    assert all((a == 7).all() for a in got)
+    assert counted[0] == 0 and not q._chan._keep
+    join_all(p)
+    assert p.exitcode == 0
+    del got
+    q.close()
+
+
+def test_segments_of_their_own_sent_once_are_never_kept(lc, counted):
+    n = 12
+    q, p = _own_stream(put_fresh, n)
+    got = [q.get(timeout=JOIN) for _ in range(n)]
+    assert [int(a[0]) for a in got] == list(range(n))
+    assert counted[0] == 0 and not q._chan._keep
+    assert q.get(timeout=JOIN)["created"] == n
+    join_all(p)
+    assert p.exitcode == 0
+    del got
+    q.close()
+
+
+def test_a_writer_reuses_the_segment_its_reader_let_go_of_since_its_last_put(lc, counted):
+    # the anchor a record without fds keeps until its reader took it is let go of before
+    # the next array is made, not only at the next put: one segment serves them all
+    n = 12
+    ack = _spawn.SimpleQueue()
+    q, p = _own_stream(put_fresh, n, ack)
+    for i in range(n):
+        a = q.get(timeout=JOIN)
+        assert int(a[0]) == i and (a == i).all()
+        del a
+        ack.put(i)
+    assert counted[0] == n - 2
+    assert q.get(timeout=JOIN)["created"] == 1
+    join_all(p)
+    assert p.exitcode == 0
+    q.close()
+    ack.close()
