@@ -70,6 +70,7 @@ _READER = 3
 _PID = 0xFFFFFFFF
 _ANNOUNCED_MAX = 1024  # what a writer remembers having announced, per channel
 _HOT_MAX = 64  # writers whose last slab a reader keeps held while records wait
+_KEEP_FILES = 64  # files a sole reader keeps per channel (see _keep_max for the process)
 # bytes of memory whose memfds a sole reader keeps per channel before it starts a new
 # generation: what its receive cache may keep mapped while idle (which pins as much)
 _KEEP_BYTES = 2 << 30
@@ -321,7 +322,8 @@ class Channel:
             if tick is not None:
                 tick(number)
             if not pending:
-                _writing.add(self)
+                with _writing_lock:
+                    _writing.add(self)
             pending.append((number, anchor))
         return named
 
@@ -383,6 +385,8 @@ class Channel:
                 except queue.Empty:
                     if not taken:
                         self._drop_unwritten()
+                        if self._origin and time.monotonic() >= self._sweep_at:
+                            self._sweep(idle=True)
                     if not block or deadline is not None:
                         raise
         number, frame = taken[0]
@@ -490,11 +494,14 @@ class Channel:
             self._keep.clear()
             self._origin.clear()
 
-    def _sweep(self) -> None:
+    def _sweep(self, idle: bool = False) -> None:
         """Let go of kept memfds whose writer closed its fd of them (it destroyed the
         memory, or exited): kept on, they would pin memory nobody uses.  Records up to
         the tail may still name them (a writer that exited right after its puts), so
-        they close as an earlier generation's do, once ``head`` passes the tail."""
+        they close as an earlier generation's do, once ``head`` passes the tail.  A
+        receive that found the ring empty (``idle``) closes them at once if ``head`` is
+        at that tail: their writer, which closed its fd before the tail was read, writes
+        no more records that name them, and every one it wrote was taken."""
         self._sweep_at = time.monotonic() + _SWEEP_SECONDS
         keep, gone = self._keep, dict[int, int]()
         for ino, (pid, fd_no, _) in list(self._origin.items()):
@@ -503,7 +510,11 @@ class Channel:
                 if ino in keep:  # moved in one step (C): an exception never loses it
                     _consume(map(gone.__setitem__, (ino,), map(keep.pop, (ino,))))
         if gone:
-            self._old.append((self.ring.tail, gone))
+            tail = self.ring.tail
+            if idle and self.ring.head >= tail:
+                scm_rights.close_fds(list(gone.values()))
+            else:
+                self._old.append((tail, gone))
 
     def _drop_old(self, number: int) -> None:
         """Close kept files of earlier generations that no record from ``number`` on names
@@ -529,8 +540,11 @@ class Channel:
         tag, seg_ino, _, seg_no, index = _ANN_HEAD.unpack_from(data, 1)
         if seg_ino not in keep:
             try:
-                if len(keep) >= _keep_max():
+                if len(keep) >= _KEEP_FILES or _kept_files() >= _keep_max():
                     raise OSError(errno.EMFILE, "kept enough")
+                if not keep:
+                    with _keeping_lock:
+                        _keeping.add(self)
                 self._note_origin(seg_ino, tag >> 32, seg_no, index, fds[0])
                 _consume(map(keep.__setitem__, (seg_ino,), map(os.dup, (fds[0],))))
             except OSError:  # a new generation (writers announce again), kept from empty
@@ -829,9 +843,23 @@ class _Held(scm_rights.Frame):
 
 
 def _keep_max() -> int:
-    """Files a sole reader keeps per channel before it starts a new generation: a quarter
-    of the kept budget (the fd limit's share for kept fds), between 4 and 64."""
-    return max(4, min(64, ofd_lease.kept_budget() // 4))
+    """Files this process keeps as a sole reader, over all its channels and their
+    generations still open, before a channel starts a new generation: the kept budget
+    (the fd limit's share for kept fds of a kind), at least 4."""
+    return max(4, ofd_lease.kept_budget())
+
+
+# channels that keep files as a sole reader (a get of one thread may add one as another
+# counts them all)
+_keeping: weakref.WeakSet[Channel] = weakref.WeakSet()
+_keeping_lock = threading.Lock()
+
+
+def _kept_files() -> int:
+    """The files this process keeps as a sole reader, generations still open included."""
+    with _keeping_lock:
+        channels = list(_keeping)
+    return sum(len(c._keep) + sum(len(old) for _, old in c._old) for c in channels)
 
 
 def _word(w: int, index: int, pid: int) -> int:
@@ -870,14 +898,18 @@ _consume = collections.deque[object](maxlen=0).extend  # runs an iterator out, i
 # Closed channels' anchors of records not yet taken, with their rings: let go of as the
 # records are taken (at later posts), or once no other process has the ring.
 _lingering: list[tuple[Ring, collections.deque[tuple[int, object]]]] = []
-_writing: weakref.WeakSet[Channel] = weakref.WeakSet()  # channels that kept anchors
+# channels that kept anchors (a thread's post adds one as another prunes them all)
+_writing: weakref.WeakSet[Channel] = weakref.WeakSet()
+_writing_lock = threading.Lock()
 
 
 def prune_all() -> None:
-    """Let go of every channel's anchors of records taken: before a segment is made
-    (``_segments.before_acquire``), so that one whose message its reader took since the
-    last put is reused instead."""
-    for channel in list(_writing):
+    """Let go of every channel's anchors of records taken (``_segments.releasers``):
+    before a segment is made, so that one whose message its reader took since the last
+    put is reused instead; and before idle memory is given back."""
+    with _writing_lock:
+        channels = list(_writing)
+    for channel in channels:
         channel.prune()
 _prune_lock = threading.Lock()
 

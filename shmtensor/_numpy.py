@@ -193,7 +193,7 @@ def _handle(seg: Segment) -> tuple[int, int, int, int, int] | None:
 
 # a record without fds keeps its array's anchor until taken: let go of those taken before
 # a segment is chosen, so that one is reused
-_segments.before_acquire.append(_channel.prune_all)
+_segments.releasers.append(_channel.prune_all)
 
 
 def held_attach(data: Payload, seg_fd: Callable[[], int],

@@ -455,9 +455,15 @@ def _fits(cap: int, need: int) -> bool:
     return need <= cap <= max(2 * need, need + (64 << 10))
 
 
-# what frees held segments of this process on demand (a channel's anchors of messages
-# taken since its last put): run before a segment is chosen, so one of them can be
-before_acquire: list[Callable[[], None]] = []
+# what lets go of holds on this process's segments on demand (a channel's anchors of
+# messages taken since its last put): run before a segment is chosen, so that one of
+# them can be, and before idle memory is given back, so that they are
+releasers: list[Callable[[], None]] = []
+
+
+def _release_held() -> None:
+    for hook in releasers:
+        hook()
 
 
 def acquire(nbytes: int, kind: str) -> tuple[Segment, np.ndarray]:
@@ -465,8 +471,7 @@ def acquire(nbytes: int, kind: str) -> tuple[Segment, np.ndarray]:
     and its anchor: held from the moment it is chosen, so no other thread can take it."""
     need = _capacity(nbytes)
     table = ofd_lease.own_table()
-    for hook in before_acquire:
-        hook()
+    _release_held()
     settle()
     with _lock:
         seg = _reuse(need, kind, table)
@@ -999,6 +1004,7 @@ def idle_segments() -> list[Segment]:
 def empty_cache() -> int:
     """Let go of the current slabs and destroy or unmap everything idle that nobody holds;
     returns the bytes freed."""
+    _release_held()
     with _lock:
         current = list(_current.values())
         _current.clear()
@@ -1018,6 +1024,7 @@ def _await_unlinked_space(size: int, timeout: float = 1.0) -> None:
 def give_back() -> bool:
     """Before a reservation fails for want of room: let go of the current slabs and give
     back every idle segment nobody holds, own or cached.  True when anything was freed."""
+    _release_held()
     with _lock:
         current = list(_current.values())
         _current.clear()

@@ -165,3 +165,18 @@ def put_fresh(q, n, ack=None):
     q.put(shmtensor.debug_info()["segments"])
     q.close()
     q.join_thread()
+
+
+def put_again_then_free(q, n, took, done, out):
+    """Put one array (a segment of its own) ``n`` times; once the reader took them all
+    (``took``), let go of it, give back what is idle, put the bytes that freed on
+    ``out``, and stay (the writer alive) until ``done``."""
+    a = shmtensor.full((OWN // 8,), 7, dtype=np.int64)
+    for _ in range(n):
+        q.put(a)
+    took.wait(60)
+    del a
+    out.put(shmtensor.empty_cache())
+    done.wait(60)
+    q.close()
+    q.join_thread()

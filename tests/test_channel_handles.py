@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import signal
 import time
 
@@ -20,8 +21,8 @@ import shmtensor.multiprocessing as smp
 from shmtensor import _channel
 
 from conftest import JOIN, join_all
-from handle_helpers import (OWN, echo, put_after_first, put_again, put_and_free, put_fresh,
-                            put_many, put_six, stream_and_count_slabs,
+from handle_helpers import (OWN, echo, put_after_first, put_again, put_again_then_free,
+                            put_and_free, put_fresh, put_many, put_six, stream_and_count_slabs,
                             take_all, take_first_then_rest, take_two_and_wait,
                             three_then_none)
 
@@ -572,3 +573,58 @@ def test_a_writer_reuses_the_segment_its_reader_let_go_of_since_its_last_put(lc,
     assert p.exitcode == 0
     q.close()
     ack.close()
+
+
+def test_a_reader_waiting_on_an_empty_queue_lets_go_of_what_its_writer_gave_back(
+        lc, monkeypatch):
+    # the writer lets go of the last record's anchor as it gives back idle memory (not
+    # at its next put only), and a get that waits on the drained queue sweeps, closing
+    # the kept memfd at once: nothing pins the memory while the queue stays empty
+    from shmtensor import _segments
+    monkeypatch.setattr(_channel, "_SWEEP_SECONDS", 0.0)
+    n = 5
+    took, done, out = _spawn.Event(), _spawn.Event(), _spawn.Queue()
+    q, p = _own_stream(put_again_then_free, n, took, done, out)
+    got = [q.get(timeout=JOIN) for _ in range(n)]
+    assert all((a == 7).all() for a in got)
+    ino = os.fstat(_segments.segment_of(got[0]).fd).st_ino
+    assert list(q._chan._keep) == [ino]
+    del got
+    took.set()
+    assert out.get(timeout=JOIN) >= OWN
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.2)
+    assert not q._chan._keep and not q._chan._old
+    shmtensor.empty_cache()
+    assert _fds_of(ino) == 0
+    done.set()
+    join_all(p)
+    assert p.exitcode == 0
+    q.close()
+    out.close()
+
+
+def test_what_a_process_keeps_over_all_its_queues_is_bounded(lc, monkeypatch):
+    # three queues, a slab writer each, a process that may keep two files in all: each
+    # queue goes on (a new generation where keeping would pass the bound), and never is
+    # more kept than that, generations still open included
+    monkeypatch.setattr(_channel, "_keep_max", lambda: 2)
+    ctx = smp.get_context("fork")
+    qs = [ctx.Queue(16) for _ in range(3)]
+    for q in qs:
+        q.put("join")
+        assert q.get(timeout=JOIN) == "join"
+    n = 200
+    ps = [ctx.Process(target=put_many, args=(q, n, k * 100_000)) for k, q in enumerate(qs)]
+    for p in ps:
+        p.start()
+    for i in range(n):
+        for k, q in enumerate(qs):
+            a = q.get(timeout=JOIN)
+            assert int(a[0]) == k * 100_000 + i and (a == a[0]).all()
+            del a
+            assert _channel._kept_files() <= 2
+    join_all(*ps)
+    assert all(p.exitcode == 0 for p in ps)
+    for q in qs:
+        q.close()
