@@ -34,6 +34,7 @@ import mmap
 import os
 import pickle
 import queue
+import resource
 import select
 import signal
 import socket
@@ -58,8 +59,9 @@ _INLINE, _SIDE, _BIG = b"I", b"S", b"B"
 _ANN, _HELD = b"A", b"H"  # a handle's announce (a side record), and its record without fds
 _TAG = struct.Struct("=Q")  # a side record: its kind, then its datagram's tag
 # an announce: its datagram's tag, the inodes of the memory's memfd and of its lease file,
-# the writer's fd number of the memfd and its process index in the ring
-_ANN_HEAD = struct.Struct("=QQQii")
+# the writer's fd number of the memfd, its process index in the ring, and 1 for a segment
+# of its own (0 for a slab)
+_ANN_HEAD = struct.Struct("=QQQiiB")
 # a handle's record without fds: the writer's pid, its fds of the memory's memfd and of
 # the lease file, their inodes, and the reader word it was written under
 _HELD_HEAD = struct.Struct("=IiQiQQ")
@@ -114,7 +116,7 @@ class Channel:
 
     __slots__ = ("ring", "turn", "waitable", "_side_r", "_side_w", "_taken", "_last", "_raw",
                  "_made", "_handing", "_pid", "_spent", "_close", "_keep", "_old", "_mine",
-                 "_announced", "_once", "_pending", "_dev", "_hot", "_origin", "_sweep_at",
+                 "_announced", "_announced_at", "_once", "_pending", "_dev", "_hot", "_origin", "_sweep_at",
                  "__weakref__")
 
     def __init__(self, ring: Ring, side_r: socket.socket, side_w: socket.socket) -> None:
@@ -133,6 +135,7 @@ class Channel:
         # the memory by then)
         self._announced: dict[int, int] = {}
         self._once: dict[int, int] = {}  # the same for segments of their own sent once
+        self._announced_at: dict[int, int] = {}  # a segment of its own's last announce
         self._pending: collections.deque[tuple[int, object]] = collections.deque()
         self._dev = -1
         self._hot: dict[int, object] = {}  # writer pid -> its last slab's anchor (_attach)
@@ -249,7 +252,7 @@ class Channel:
         ring, user = self.ring, cast(memoryview, self.ring.user)
         w = user[_READER]
         seg_fd, seg_ino, shard_fd, shard_ino, own = handle
-        if own and self._announced.get(seg_ino) != w and not self._again(seg_ino, w, own):
+        if own and not self._nameable(seg_ino, w, own):
             self.send(data, ctx.wire_fds(), block, timeout)
             return
         if w & _PID and 1 + _HELD_HEAD.size + len(data) <= ring.payload_max:
@@ -267,24 +270,32 @@ class Channel:
         fds = ctx.wire_fds()
         deadline = None if not block or timeout is None else time.monotonic() + timeout
         tag = _new_tag()
-        announced, inos = self._announced, (seg_ino, shard_ino)
+        announced, inos, at = self._announced, (seg_ino, shard_ino), self._announced_at
 
         def side(number: int) -> None:
             self._send_side(_HEAD.pack(number, tag), data, fds, block, deadline)
             if len(announced) >= _ANNOUNCED_MAX:
                 announced.clear()
+                at.clear()
             w = user[_READER]
             for ino in inos:
                 announced[ino] = w
-        ring.put(_ANN + _ANN_HEAD.pack(tag, *inos, seg_fd, ring.index), block, timeout,
-                 hook=side)
+            if own:
+                at[seg_ino] = number
+        ring.put(_ANN + _ANN_HEAD.pack(tag, *inos, seg_fd, ring.index, own > 0), block,
+                 timeout, hook=side)
 
-    def _again(self, ino: int, w: int, size: int) -> bool:
-        """Whether a segment of its own (not a slab) of ``size`` bytes may be announced to
-        the sole reader of word ``w``: only once sent to it before (most arrays are sent
-        once, and a reader that kept their fds would pin memory their writer gives back),
-        and while keeping it leaves the memory room a cgroup needs (as idle memory does:
-        under half its limit used)."""
+    def _nameable(self, ino: int, w: int, size: int) -> bool:
+        """Whether a message of a segment of its own (not a slab) of ``size`` bytes may go
+        without fds, or announce it, to the sole reader of word ``w``.  Announced under
+        ``w``: once that announce is taken (a reader may refuse to keep a segment, which
+        only the word it changes then tells; a record written before that would name
+        what it lacks).  Else: announced only once sent to it before (most arrays are
+        sent once, and a reader that kept their fds would pin memory their writer gives
+        back), and while keeping it leaves the memory room a cgroup needs (as idle memory
+        does: under half its limit used)."""
+        if self._announced.get(ino) == w:
+            return self.ring.head > self._announced_at.get(ino, 1 << 62)
         once = self._once
         if not w & _PID:
             return False
@@ -386,7 +397,9 @@ class Channel:
                     if not taken:
                         self._drop_unwritten()
                         if self._origin and time.monotonic() >= self._sweep_at:
-                            self._sweep(idle=True)
+                            self._sweep()
+                        if self._old:  # every record was taken: close what none names
+                            self._drop_old(self.ring.head)
                     if not block or deadline is not None:
                         raise
         number, frame = taken[0]
@@ -494,14 +507,14 @@ class Channel:
             self._keep.clear()
             self._origin.clear()
 
-    def _sweep(self, idle: bool = False) -> None:
+    def _sweep(self) -> None:
         """Let go of kept memfds whose writer closed its fd of them (it destroyed the
-        memory, or exited): kept on, they would pin memory nobody uses.  Records up to
+        memory, or exited): kept on, they would pin memory nobody uses.  Records before
         the tail may still name them (a writer that exited right after its puts), so
-        they close as an earlier generation's do, once ``head`` passes the tail.  A
-        receive that found the ring empty (``idle``) closes them at once if ``head`` is
-        at that tail: their writer, which closed its fd before the tail was read, writes
-        no more records that name them, and every one it wrote was taken."""
+        they close as an earlier generation's do, once ``head`` reaches the tail: their
+        writer, which closed its fd before the tail was read, writes no record that
+        names them from the tail on (as an earlier generation's writers may, at the
+        tail itself)."""
         self._sweep_at = time.monotonic() + _SWEEP_SECONDS
         keep, gone = self._keep, dict[int, int]()
         for ino, (pid, fd_no, _) in list(self._origin.items()):
@@ -510,11 +523,7 @@ class Channel:
                 if ino in keep:  # moved in one step (C): an exception never loses it
                     _consume(map(gone.__setitem__, (ino,), map(keep.pop, (ino,))))
         if gone:
-            tail = self.ring.tail
-            if idle and self.ring.head >= tail:
-                scm_rights.close_fds(list(gone.values()))
-            else:
-                self._old.append((tail, gone))
+            self._old.append((self.ring.tail - 1, gone))
 
     def _drop_old(self, number: int) -> None:
         """Close kept files of earlier generations that no record from ``number`` on names
@@ -537,10 +546,11 @@ class Channel:
         if not self._mine or len(fds) != 2 or len(data) < 1 + _ANN_HEAD.size:
             return frame, []  # loaded as any message (the loader says what is malformed)
         keep = self._keep
-        tag, seg_ino, _, seg_no, index = _ANN_HEAD.unpack_from(data, 1)
+        tag, seg_ino, _, seg_no, index, own = _ANN_HEAD.unpack_from(data, 1)
         if seg_ino not in keep:
             try:
-                if len(keep) >= _KEEP_FILES or _kept_files() >= _keep_max():
+                if (len(keep) >= _KEEP_FILES or _kept_files() >= _keep_max()
+                        or own and _fds_short()):
                     raise OSError(errno.EMFILE, "kept enough")
                 if not keep:
                     with _keeping_lock:
@@ -799,6 +809,7 @@ class Channel:
         self._hot.clear()
         self._announced.clear()
         self._once.clear()
+        self._announced_at.clear()
         self._pending.clear()  # this process's copies of the parent's anchors
         self._reset()
 
@@ -853,6 +864,20 @@ def _keep_max() -> int:
 # counts them all)
 _keeping: weakref.WeakSet[Channel] = weakref.WeakSet()
 _keeping_lock = threading.Lock()
+
+
+def _fds_short() -> bool:
+    """Whether this process has half its fd limit open: it then keeps no memfd of a
+    segment of its own (one array's, where a slab's serves many), whose lease slots
+    would each cost it a description of their lease file too; such messages come with
+    their fds instead."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return False
+    try:
+        return len(os.listdir("/proc/self/fd")) > soft // 2
+    except OSError:
+        return True
 
 
 def _kept_files() -> int:

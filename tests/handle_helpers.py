@@ -134,16 +134,19 @@ def put_and_free(q, n, nbytes, took, freed):
 OWN = 4 << 20  # bytes: past a slab's largest array, so each array is a segment of its own
 
 
-def put_again(q, n, room=None):
+def put_again(q, n, ack=None, room=None):
     """Put one array (a segment of its own, of 7s) ``n`` times, then exit at once; with
-    ``room``, this process reads its memory room as ``room`` bytes free under a memory
-    cgroup limit of twice as many."""
+    ``ack``, each put but the last waits for the reader to say it took the message
+    (``ack.get``); with ``room``, this process reads its memory room as ``room`` bytes
+    free under a memory cgroup limit of twice as many."""
     if room is not None:
         from shmtensor.ipc import shm_space
         shm_space.memory_room = lambda max_age=0.0: shm_space.Room(room, "a test's", 2 * room)
     a = shmtensor.full((OWN // 8,), 7, dtype=np.int64)
-    for _ in range(n):
+    for i in range(n):
         q.put(a)
+        if ack is not None and i < n - 1:
+            ack.get(timeout=60)
     q.close()
     q.join_thread()
 

@@ -493,9 +493,10 @@ def test_a_kept_slab_fd_whose_writer_exited_before_its_announce_was_taken_goes(
     ino = os.fstat(_segments.segment_of(got[0]).fd).st_ino
     assert _fds_of(ino) == 2  # the queue's, and the receive cache's
     del got, first
-    for word in ("sweep", "a", "b"):
-        q.put(word)
-        assert q.get(timeout=JOIN) == word
+    # the drained queue's sweep let go of it; a get that finds the queue empty closes
+    # it (no record can name it any more)
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.05)
     assert _fds_of(ino) == 1
     shmtensor.empty_cache()
     assert _fds_of(ino) == 0
@@ -515,16 +516,42 @@ def _own_stream(target, *args):
     return q, p
 
 
+def _take_and_ack(q, ack, n):
+    got = []
+    for _ in range(n):
+        got.append(q.get(timeout=JOIN))
+        ack.put(len(got))
+    return got
+
+
 def test_a_segment_of_its_own_sent_again_goes_without_fds(lc, counted):
     # the first message of it goes with fds (most arrays are sent once), the second
-    # announces it, the rest name it; the producer exits right after its puts
+    # announces it, the rest (once the reader took that) name it; the producer exits
+    # right after its last put
+    n = 40
+    ack = _spawn.SimpleQueue()
+    q, p = _own_stream(put_again, n, ack)
+    got = _take_and_ack(q, ack, n)
+    assert all(a.nbytes == OWN and (a == 7).all() for a in got)
+    assert counted[0] == n - 2
+    join_all(p)
+    assert p.exitcode == 0
+    del got
+    q.close()
+    ack.close()
+
+
+def test_a_writer_ahead_of_its_reader_sends_its_segment_with_fds(lc, counted):
+    # until its reader took the announce: a reader may refuse to keep a segment (a
+    # limit reached), and a record that named it meanwhile would be lost with its
+    # writer gone, as this one is before the reader starts
     n = 40
     q, p = _own_stream(put_again, n)
     join_all(p)
     assert p.exitcode == 0
     got = [q.get(timeout=JOIN) for _ in range(n)]
     assert all(a.nbytes == OWN and (a == 7).all() for a in got)
-    assert counted[0] == n - 2
+    assert counted[0] == 0
     assert not q._chan._keep  # its writer is gone: the drained queue's sweep let go
     del got
     q.close()
@@ -533,14 +560,33 @@ def test_a_segment_of_its_own_sent_again_goes_without_fds(lc, counted):
 def test_a_segment_of_its_own_is_never_kept_where_memory_is_short(lc, counted):
     # a writer under a cgroup with less than half its limit free sends its fds each time
     n = 10
-    q, p = _own_stream(put_again, n, 64 << 20)
-    got = [q.get(timeout=JOIN) for _ in range(n)]
+    ack = _spawn.SimpleQueue()
+    q, p = _own_stream(put_again, n, ack, 64 << 20)
+    got = _take_and_ack(q, ack, n)
     assert all((a == 7).all() for a in got)
     assert counted[0] == 0 and not q._chan._keep
     join_all(p)
     assert p.exitcode == 0
     del got
     q.close()
+    ack.close()
+
+
+def test_a_reader_short_of_fds_keeps_no_segment_of_its_own(lc, counted, monkeypatch):
+    # past half its fd limit, such a segment's messages come with fds (a new generation
+    # each time it is announced), and arrive whole
+    monkeypatch.setattr(_channel, "_fds_short", lambda: True)
+    n = 10
+    ack = _spawn.SimpleQueue()
+    q, p = _own_stream(put_again, n, ack)
+    got = _take_and_ack(q, ack, n)
+    assert all((a == 7).all() for a in got)
+    assert counted[0] == 0 and not q._chan._keep
+    join_all(p)
+    assert p.exitcode == 0
+    del got
+    q.close()
+    ack.close()
 
 
 def test_segments_of_their_own_sent_once_are_never_kept(lc, counted):
