@@ -116,8 +116,8 @@ class Channel:
 
     __slots__ = ("ring", "turn", "waitable", "_side_r", "_side_w", "_taken", "_last", "_raw",
                  "_made", "_handing", "_pid", "_spent", "_close", "_keep", "_old", "_mine",
-                 "_announced", "_announced_at", "_once", "_pending", "_dev", "_hot", "_origin", "_sweep_at",
-                 "__weakref__")
+                 "_announced", "_announced_at", "_once", "_pending", "_dev", "_hot", "_origin",
+                 "_sweep_at", "__weakref__")
 
     def __init__(self, ring: Ring, side_r: socket.socket, side_w: socket.socket) -> None:
         self.ring, self._side_r, self._side_w = ring, side_r, side_w
@@ -126,9 +126,10 @@ class Channel:
         # with the tail after which no record names them.
         self._keep: dict[int, int] = {}
         self._old: list[tuple[int, dict[int, int]]] = []
-        # a kept memfd's writer pid, its fd number there and the memory's size, by inode
+        # a kept memfd's writer pid (0: not to be looked at), its fd number there, the
+        # memory's size and the writer's process index in the ring, by inode
         # (for the sweep that lets go of what its writer freed)
-        self._origin: dict[int, tuple[int, int, int]] = {}
+        self._origin: dict[int, tuple[int, int, int, int]] = {}
         self._sweep_at = 0.0
         # As writer: the reader word each file was last announced under; and the anchors
         # of records sent without fds, kept until ``head`` passes them (their reader holds
@@ -259,8 +260,8 @@ class Channel:
             record = b"".join((_HELD, _HELD_HEAD.pack(os.getpid(), seg_fd, seg_ino, shard_fd,
                                                       shard_ino, w), data))
             try:
-                ring.put(record, block, timeout,
-                         hook=self._named(w, seg_ino, shard_ino, ctx.keep[0], block, timeout))
+                ring.put(record, block, timeout, hook=self._named(
+                    w, seg_ino, shard_ino, own, ctx.keep[0], block, timeout))
                 return
             except _Unknown:
                 w = user[_READER]
@@ -316,19 +317,23 @@ class Channel:
         if self._pending or _lingering:
             _prune(self._pending, self.ring.head)
 
-    def _named(self, w: int, seg_ino: int, shard_ino: int, anchor: object, block: bool,
-               timeout: float | None) -> Callable[[int], None]:
+    def _named(self, w: int, seg_ino: int, shard_ino: int, own: int, anchor: object,
+               block: bool, timeout: float | None) -> Callable[[int], None]:
         """The put hook of a record without fds: under the writers' lock, it raises
         ``_Unknown`` (nothing is written) unless the reader word is still ``w`` and both
         files were announced under it (the reader it names takes those announces first:
-        records are taken in order); else the anchor is kept until the record is taken
-        (``post`` lets go of those of records taken since, first)."""
-        user, announced, pending = self.ring.user, self._announced, self._pending
+        records are taken in order), and, for a segment of its own (``own``), ``head``
+        has passed that announce (another thread's may have just been written: see
+        :meth:`_nameable`); else the anchor is kept until the record is taken (``post``
+        lets go of those of records taken since, first)."""
+        ring, announced, pending = self.ring, self._announced, self._pending
+        user, at = ring.user, self._announced_at
         tick = self._ticker(block, timeout) if self.waitable else None
 
         def named(number: int) -> None:
             if (cast(memoryview, user)[_READER] != w or announced.get(seg_ino) != w
-                    or announced.get(shard_ino) != w):
+                    or announced.get(shard_ino) != w
+                    or own and ring.head <= at.get(seg_ino, 1 << 62)):
                 raise _Unknown
             if tick is not None:
                 tick(number)
@@ -517,8 +522,9 @@ class Channel:
         tail itself)."""
         self._sweep_at = time.monotonic() + _SWEEP_SECONDS
         keep, gone = self._keep, dict[int, int]()
-        for ino, (pid, fd_no, _) in list(self._origin.items()):
-            if pid and not _is_file(f"/proc/{pid}/fd/{fd_no}", self._dev, ino, True):
+        for ino, (pid, fd_no, _, index) in list(self._origin.items()):
+            if (not _is_file(f"/proc/{pid}/fd/{fd_no}", self._dev, ino, True) if pid
+                    else 0 <= index < MAX_PROCS and not self.ring.alive(index)):
                 del self._origin[ino]
                 if ino in keep:  # moved in one step (C): an exception never loses it
                     _consume(map(gone.__setitem__, (ino,), map(keep.pop, (ino,))))
@@ -570,8 +576,9 @@ class Channel:
         """Note where a memfd about to be kept comes from, for :meth:`_sweep`: raises
         ``OSError`` if keeping it would pass :data:`_KEEP_BYTES`.  One whose writer (of
         process index ``index`` in the ring) still has the ring, and an fd this process
-        cannot see (another pid namespace), is never swept (pid 0); one whose writer no
-        longer has the ring (exited, or closed the queue) is swept at the next sweep."""
+        cannot see (another pid namespace, or it closed it already), is swept only once
+        that writer has let go of the ring (pid 0); one whose writer no longer has the
+        ring (exited, or closed the queue) is swept at the next sweep."""
         size = os.fstat(fd).st_size
         if sum(o[2] for o in self._origin.values()) + size > _KEEP_BYTES:
             raise OSError(errno.ENOSPC, "kept enough bytes")
@@ -579,7 +586,7 @@ class Channel:
             self._dev = os.fstat(self.ring.fd).st_dev
         seen = (_is_file(f"/proc/{pid}/fd/{fd_no}", self._dev, ino)
                 or 0 <= index < MAX_PROCS and not self.ring.alive(index))
-        self._origin[ino] = (pid if seen else 0, fd_no, size)
+        self._origin[ino] = (pid if seen else 0, fd_no, size, index)
 
     def _held(self, number: int, data: bytes) -> scm_rights.Frame:
         """The frame of a record without fds: its memory attached and held here (before

@@ -183,3 +183,4 @@ def put_again_then_free(q, n, took, done, out):
     done.wait(60)
     q.close()
     q.join_thread()
+

@@ -674,3 +674,52 @@ def test_what_a_process_keeps_over_all_its_queues_is_bounded(lc, monkeypatch):
     assert all(p.exitcode == 0 for p in ps)
     for q in qs:
         q.close()
+
+
+def test_a_segment_of_its_own_is_named_only_once_its_announce_was_taken(lc):
+    # checked under the writers' lock too: another thread of the writer may have just
+    # written the announce that the check before the lock did not see
+    q = _spawn.Queue()
+    ch = q._chan
+    w, seg, shard = cast_word(ch), 101, 102
+    ch._announced.update({seg: w, shard: w})
+    ch._announced_at[seg] = ch.ring.head  # written, not taken yet
+    with pytest.raises(_channel._Unknown):
+        ch._named(w, seg, shard, OWN, object(), True, None)(ch.ring.head)
+    ch._named(w, seg, shard, 0, object(), True, None)(ch.ring.head)  # a slab's: no wait
+    ch._announced_at[seg] = ch.ring.head - 1  # taken
+    ch._named(w, seg, shard, OWN, object(), True, None)(ch.ring.head)
+    assert len(ch._pending) == 2
+    ch._pending.clear()
+    q.close()
+
+
+def cast_word(ch) -> int:
+    return int(ch.ring.user[_channel._READER])
+
+
+def test_a_kept_memfd_whose_writer_could_not_be_looked_at_goes_with_the_writer(
+        lc, counted, monkeypatch):
+    # a writer whose fd the announce's reader could not see (another pid namespace, or
+    # closed already) is not looked at; its memfd is let go of once that writer has let
+    # go of the ring
+    from shmtensor import _segments
+    monkeypatch.setattr(_channel, "_SWEEP_SECONDS", 0.0)
+    n = 3
+    ack = _spawn.SimpleQueue()
+    q, p = _own_stream(put_again, n, ack)
+    got = _take_and_ack(q, ack, n)
+    assert counted[0] == 1
+    ino = os.fstat(_segments.segment_of(got[0]).fd).st_ino
+    origin = q._chan._origin
+    origin[ino] = (0,) + origin[ino][1:]  # as if its writer's fd could not be seen
+    del got
+    join_all(p)
+    assert p.exitcode == 0
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.05)
+    assert not q._chan._keep
+    shmtensor.empty_cache()
+    assert _fds_of(ino) == 0
+    q.close()
+    ack.close()
