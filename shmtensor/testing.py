@@ -69,10 +69,11 @@ def _stdlib_helpers() -> tuple[set[int], set[int]]:
     return {p for p in pids if p is not None}, {f for f in fds if f is not None}
 
 
-# fds that processes keep for their lifetime and that no test can close: /proc reads in
-# flight, and the CUDA driver's device nodes, IPC bookkeeping and eventfds (a context per
-# device made during the check keeps them).
-_NOT_LEAKS = ("/proc/", "/dev/nvidia", "/dev/shm/cuda.shm.")
+# fds that processes keep for their lifetime and that no test can close: /proc and
+# cgroup reads in flight (a background thread's look at the memory room), and the CUDA
+# driver's device nodes, IPC bookkeeping and eventfds (a context per device made during
+# the check keeps them).
+_NOT_LEAKS = ("/proc/", "/sys/fs/cgroup/", "/dev/nvidia", "/dev/shm/cuda.shm.")
 
 
 def _fds() -> dict[int, str]:

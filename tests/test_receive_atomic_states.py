@@ -62,9 +62,11 @@ def _state() -> tuple[list[str], set[tuple[str, str]]]:
     fds = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
-            fds.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+            target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:  # the listing's own fd
-            pass
+            continue
+        if not target.startswith(("/proc/", "/sys/fs/cgroup/")):  # a thread's read in flight
+            fds.add((fd, target))
     return _mapped(), fds
 
 
