@@ -524,16 +524,22 @@ def _take_and_ack(q, ack, n):
     return got
 
 
-def test_a_segment_of_its_own_sent_again_goes_without_fds(lc, counted):
+@pytest.mark.parametrize("short", [None, "memory", "fds"])
+def test_a_segment_of_its_own_sent_again_goes_without_fds(lc, counted, monkeypatch, short):
     # the first message of it goes with fds (most arrays are sent once), the second
-    # announces it, the rest (once the reader took that) name it; the producer exits
-    # right after its last put
-    n = 40
+    # announces it, the rest (once the reader took that) name it, the producer exiting
+    # right after its last put.  Not with a writer under a cgroup with less than half
+    # its limit free, or a reader with half its fd limit open (a new generation each
+    # time it is announced): every message comes with fds, and arrives whole.
+    if short == "fds":
+        monkeypatch.setattr(_channel, "_fds_short", lambda: True)
+    n = 12
     ack = _spawn.SimpleQueue()
-    q, p = _own_stream(put_again, n, ack)
+    q, p = _own_stream(put_again, n, ack, 64 << 20 if short == "memory" else None)
     got = _take_and_ack(q, ack, n)
     assert all(a.nbytes == OWN and (a == 7).all() for a in got)
-    assert counted[0] == n - 2
+    assert counted[0] == (0 if short else n - 2)
+    assert not short or not q._chan._keep
     join_all(p)
     assert p.exitcode == 0
     del got
@@ -555,38 +561,6 @@ def test_a_writer_ahead_of_its_reader_sends_its_segment_with_fds(lc, counted):
     assert not q._chan._keep  # its writer is gone: the drained queue's sweep let go
     del got
     q.close()
-
-
-def test_a_segment_of_its_own_is_never_kept_where_memory_is_short(lc, counted):
-    # a writer under a cgroup with less than half its limit free sends its fds each time
-    n = 10
-    ack = _spawn.SimpleQueue()
-    q, p = _own_stream(put_again, n, ack, 64 << 20)
-    got = _take_and_ack(q, ack, n)
-    assert all((a == 7).all() for a in got)
-    assert counted[0] == 0 and not q._chan._keep
-    join_all(p)
-    assert p.exitcode == 0
-    del got
-    q.close()
-    ack.close()
-
-
-def test_a_reader_short_of_fds_keeps_no_segment_of_its_own(lc, counted, monkeypatch):
-    # past half its fd limit, such a segment's messages come with fds (a new generation
-    # each time it is announced), and arrive whole
-    monkeypatch.setattr(_channel, "_fds_short", lambda: True)
-    n = 10
-    ack = _spawn.SimpleQueue()
-    q, p = _own_stream(put_again, n, ack)
-    got = _take_and_ack(q, ack, n)
-    assert all((a == 7).all() for a in got)
-    assert counted[0] == 0 and not q._chan._keep
-    join_all(p)
-    assert p.exitcode == 0
-    del got
-    q.close()
-    ack.close()
 
 
 def test_segments_of_their_own_sent_once_are_never_kept(lc, counted):
