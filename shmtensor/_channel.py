@@ -149,6 +149,8 @@ class Channel:
         # owner in every process that has the channel (a SimpleQueue's are; a Queue's not)
         self.waitable = False
         self._reset()
+        with _channels_lock:
+            _channels.add(self)
 
     @classmethod
     def create(cls, side_r: socket.socket, side_w: socket.socket, capacity: int = CAPACITY,
@@ -337,9 +339,6 @@ class Channel:
                 raise _Unknown
             if tick is not None:
                 tick(number)
-            if not pending:
-                with _writing_lock:
-                    _writing.add(self)
             pending.append((number, anchor))
         return named
 
@@ -558,9 +557,6 @@ class Channel:
                 if (len(keep) >= _KEEP_FILES or _kept_files() >= _keep_max()
                         or own and _fds_short()):
                     raise OSError(errno.EMFILE, "kept enough")
-                if not keep:
-                    with _keeping_lock:
-                        _keeping.add(self)
                 self._note_origin(seg_ino, tag >> 32, seg_no, index, fds[0])
                 _consume(map(keep.__setitem__, (seg_ino,), map(os.dup, (fds[0],))))
             except OSError:  # a new generation (writers announce again), kept from empty
@@ -867,12 +863,6 @@ def _keep_max() -> int:
     return max(4, ofd_lease.kept_budget())
 
 
-# channels that keep files as a sole reader (a get of one thread may add one as another
-# counts them all)
-_keeping: weakref.WeakSet[Channel] = weakref.WeakSet()
-_keeping_lock = threading.Lock()
-
-
 def _fds_short() -> bool:
     """Whether this process has half its fd limit open: it then keeps no memfd of a
     segment of its own (one array's, where a slab's serves many), whose lease slots
@@ -889,8 +879,8 @@ def _fds_short() -> bool:
 
 def _kept_files() -> int:
     """The files this process keeps as a sole reader, generations still open included."""
-    with _keeping_lock:
-        channels = list(_keeping)
+    with _channels_lock:
+        channels = list(_channels)
     return sum(len(c._keep) + sum(len(old) for _, old in c._old) for c in channels)
 
 
@@ -930,20 +920,21 @@ _consume = collections.deque[object](maxlen=0).extend  # runs an iterator out, i
 # Closed channels' anchors of records not yet taken, with their rings: let go of as the
 # records are taken (at later posts), or once no other process has the ring.
 _lingering: list[tuple[Ring, collections.deque[tuple[int, object]]]] = []
-# channels that kept anchors (a thread's post adds one as another prunes them all)
-_writing: weakref.WeakSet[Channel] = weakref.WeakSet()
-_writing_lock = threading.Lock()
+_prune_lock = threading.Lock()
+# this process's channels (for what counts or prunes them all: a thread may make one as
+# another goes through them)
+_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
+_channels_lock = threading.Lock()
 
 
 def prune_all() -> None:
     """Let go of every channel's anchors of records taken (``_segments.releasers``):
     before a segment is made, so that one whose message its reader took since the last
     put is reused instead; and before idle memory is given back."""
-    with _writing_lock:
-        channels = list(_writing)
+    with _channels_lock:
+        channels = list(_channels)
     for channel in channels:
         channel.prune()
-_prune_lock = threading.Lock()
 
 
 def _closed(ring: Ring, pending: collections.deque[tuple[int, object]], keep: dict[int, int],
