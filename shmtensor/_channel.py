@@ -77,6 +77,7 @@ _KEEP_FILES = 64  # files a sole reader keeps per channel (see _keep_max for the
 # generation: what its receive cache may keep mapped while idle (which pins as much)
 _KEEP_BYTES = 2 << 30
 _SWEEP_SECONDS = 1.0  # how often a reader that drains its queue looks for freed memfds
+_TURN_MOMENT = 0.005  # seconds a get that does not block waits for another's turn
 _HEAD = struct.Struct("=QQ")  # a datagram's head: its record's number, its tag
 SIDE_MAX = 64 << 10  # a body up to this goes in the datagram itself; a longer one in a memfd
 _DATAGRAM_MAX = _HEAD.size + SIDE_MAX
@@ -198,8 +199,8 @@ class Channel:
         a forked child, the parent's frames let go of first)."""
         if self._pid != os.getpid():
             self._forked()
-        if not block:
-            return (False,)
+        if not block:  # a moment: the sweeper thread may hold the turn (sweep_idle)
+            return (True, _TURN_MOMENT)
         return () if timeout is None else (True, max(0.0, timeout))
 
     # -- sending -----------------------------------------------------------------------
@@ -529,6 +530,24 @@ class Channel:
                     _consume(map(gone.__setitem__, (ino,), map(keep.pop, (ino,))))
         if gone:
             self._old.append((self.ring.tail - 1, gone))
+
+    def sweep_idle(self) -> bool:
+        """The sweeper thread's pass (see :func:`sweep_all`): as a receive that finds the
+        ring empty does, let go of kept memfds whose writer closed its fd of them, and of
+        earlier generations' files no record from ``head`` on names, unless a thread of
+        this process is receiving (it sweeps itself as it drains or waits).  True while
+        anything is kept."""
+        if self._pid != os.getpid() or not self.turn.acquire(False):
+            return bool(self._keep or self._old)
+        try:
+            if not self._taken and self._close.alive:  # a frame in hand: its receive's
+                if self._origin and time.monotonic() >= self._sweep_at:
+                    self._sweep()
+                if self._old:
+                    self._drop_old(self.ring.head)
+            return bool(self._keep or self._old)
+        finally:
+            self.turn.release()
 
     def _drop_old(self, number: int) -> None:
         """Close kept files of earlier generations that no record from ``number`` on names
@@ -935,6 +954,20 @@ def prune_all() -> None:
         channels = list(_channels)
     for channel in channels:
         channel.prune()
+
+
+def sweep_all() -> bool:
+    """:meth:`Channel.sweep_idle` of every channel (``_segments.sweepers``): a reader that
+    stops calling ``get`` lets go, within a pass of the sweeper thread, of what it kept for
+    memory its writers freed, instead of pinning it until its next receive.  True while
+    any channel keeps files."""
+    with _channels_lock:
+        channels = list(_channels)
+    busy = False
+    for channel in channels:
+        if channel._keep or channel._old:
+            busy = channel.sweep_idle() or busy
+    return busy
 
 
 def _closed(ring: Ring, pending: collections.deque[tuple[int, object]], keep: dict[int, int],

@@ -459,6 +459,10 @@ def _fits(cap: int, need: int) -> bool:
 # messages taken since its last put): run before a segment is chosen, so that one of
 # them can be, and before idle memory is given back, so that they are
 releasers: list[Callable[[], None]] = []
+# what the sweeper thread runs on each pass (see _sweep): True while it has work left, which
+# keeps the thread going when nothing is mapped (a queue's reader keeping memfds of memory
+# it no longer maps)
+sweepers: list[Callable[[], bool]] = []
 
 
 def _release_held() -> None:
@@ -926,14 +930,18 @@ _sweep_error_logged = False
 
 
 def _sweep(stop: threading.Event) -> None:
-    """Settle what died and apply the idle limits while the process is otherwise quiet;
-    stop when nothing is mapped (an anchor can only die while something is), or when told
-    (before a fork).  An error in one pass is logged once and the next pass goes on."""
+    """Settle what died, apply the idle limits and run the :data:`sweepers` while the
+    process is otherwise quiet; stop when nothing is mapped (an anchor can only die while
+    something is) and no sweeper has work left, or when told (before a fork).  An error in
+    one pass is logged once and the next pass goes on."""
     global _sweeper, _sweep_error_logged
     while not stop.wait(SWEEP_SECONDS):
+        busy = False
         try:
             trim()
             evict_idle()
+            for hook in sweepers:
+                busy = hook() or busy
         except Exception:
             if _AnchorRef.exiting:  # interpreter shutting down: nothing left to sweep for
                 return
@@ -944,7 +952,7 @@ def _sweep(stop: threading.Event) -> None:
                     "shmtensor: trimming idle shared memory failed (it is tried again every "
                     "%s s; this is logged once per process)", SWEEP_SECONDS, exc_info=True)
         with _lock:
-            if not _by_key and _died.empty():
+            if not _by_key and _died.empty() and not busy:
                 if _sweeper is not None and _sweeper[1] is stop:
                     _sweeper = None
                 return

@@ -624,6 +624,67 @@ def test_a_reader_waiting_on_an_empty_queue_lets_go_of_what_its_writer_gave_back
     out.close()
 
 
+def test_a_reader_that_stops_calling_get_lets_go_of_what_its_writer_gave_back(
+        lc, monkeypatch):
+    # no get after the last array: the sweeper thread's pass closes the kept memfd (its
+    # writer closed its own), so the memory is not pinned until a next receive that may
+    # never come; a get that does not block still gets what waits meanwhile
+    from shmtensor import _segments
+    monkeypatch.setattr(_channel, "_SWEEP_SECONDS", 0.0)
+    monkeypatch.setattr(_segments, "SWEEP_SECONDS", 0.05)
+    n = 5
+    took, done, out = _spawn.Event(), _spawn.Event(), _spawn.Queue()
+    q, p = _own_stream(put_again_then_free, n, took, done, out)
+    got = [q.get(timeout=JOIN) for _ in range(n)]
+    assert all((a == 7).all() for a in got)
+    ino = os.fstat(_segments.segment_of(got[0]).fd).st_ino
+    assert list(q._chan._keep) == [ino]
+    del got
+    shmtensor.empty_cache()  # the receive cache's mapping (and its fd) goes
+    time.sleep(0.3)
+    assert list(q._chan._keep) == [ino]  # kept while the writer has it
+    took.set()
+    assert out.get(timeout=JOIN) >= OWN
+    deadline = time.monotonic() + JOIN
+    while _fds_of(ino) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _fds_of(ino) == 0
+    assert not q._chan._keep and not q._chan._old
+    q.put("next")
+    deadline = time.monotonic() + JOIN
+    while q.empty() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert q.get(False) == "next"
+    done.set()
+    join_all(p)
+    assert p.exitcode == 0
+    q.close()
+    out.close()
+
+
+def test_a_get_that_does_not_block_waits_out_a_sweep_of_the_queue(lc):
+    # the sweeper thread takes the queue's turn for a pass: a get(False) meanwhile still
+    # gets what waits, instead of raising Empty
+    import threading
+    q = _spawn.Queue()
+    q.put("x")
+    deadline = time.monotonic() + JOIN
+    while q.empty() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    turn, taken = q._chan.turn, threading.Event()
+
+    def sweep():
+        with turn:
+            taken.set()
+            time.sleep(0.002)
+    t = threading.Thread(target=sweep)
+    t.start()
+    assert taken.wait(JOIN)
+    assert q.get(False) == "x"
+    t.join(JOIN)
+    q.close()
+
+
 def test_what_a_process_keeps_over_all_its_queues_is_bounded(lc, monkeypatch):
     # three queues, a slab writer each, a process that may keep two files in all: each
     # queue goes on (a new generation where keeping would pass the bound), and never is
