@@ -58,9 +58,9 @@ _T = TypeVar("_T")
 _INLINE, _SIDE, _BIG = b"I", b"S", b"B"
 _ANN, _HELD = b"A", b"H"  # a handle's announce (a side record), and its record without fds
 _TAG = struct.Struct("=Q")  # a side record: its kind, then its datagram's tag
-# an announce: its datagram's tag, the inodes of the memory's memfd and of its lease file,
-# the writer's fd number of the memfd, its process index in the ring, and 1 for a segment
-# of its own (0 for a slab)
+# an announce: its datagram's tag, the inodes of the memory's memfd (0: in no file) and of
+# its lease file, the writer's fd number of the memfd, its process index in the ring, and 1
+# for a segment of its own (0 for a slab)
 _ANN_HEAD = struct.Struct("=QQQiiB")
 # a handle's record without fds: the writer's pid, its fds of the memory's memfd and of
 # the lease file, their inodes, and the reader word it was written under
@@ -239,11 +239,12 @@ class Channel:
     def post(self, data: bytes, ctx: SendContext, block: bool = True,
              timeout: float | None = None) -> None:
         """Send a message pickled with ``ctx``, as :meth:`send` does with its fds.  A
-        one-array message of memory this process made in a memfd (``ctx.handle``) goes
-        without fds to a channel's sole reader that was sent them once, as a record of
-        its own (see docs/channel-design.md, "fds only when new"): the first message of
-        each memfd (and lease file) to that reader *announces* it (its fds go with it, and
-        the reader keeps them), and each later one names it.  Its anchor (``ctx.keep``) is
+        one-array message of memory this process made (``ctx.handle``: in a memfd, or a
+        CUDA IPC allocation, which its handle in the message names) goes without fds to a
+        channel's sole reader that was sent them once, as a record of its own (see
+        docs/channel-design.md, "fds only when new"): the first message of each memfd
+        (and lease file) to that reader *announces* it (its fds go with it, and the reader
+        keeps them), and each later one names it.  Its anchor (``ctx.keep``) is
         then kept here until the reader took the record, and so holds the memory
         meanwhile.  The caller releases ``ctx`` after, as after :meth:`send`, and calls
         :meth:`prune` before it pickles."""
@@ -283,7 +284,8 @@ class Channel:
                 at.clear()
             w = user[_READER]
             for ino in inos:
-                announced[ino] = w
+                if ino:  # 0: memory in no file of its own (a CUDA IPC allocation)
+                    announced[ino] = w
             if own:
                 at[seg_ino] = number
         ring.put(_ANN + _ANN_HEAD.pack(tag, *inos, seg_fd, ring.index, own > 0), block,
@@ -334,7 +336,8 @@ class Channel:
         tick = self._ticker(block, timeout) if self.waitable else None
 
         def named(number: int) -> None:
-            if (cast(memoryview, user)[_READER] != w or announced.get(seg_ino) != w
+            if (cast(memoryview, user)[_READER] != w
+                    or seg_ino and announced.get(seg_ino) != w
                     or announced.get(shard_ino) != w
                     or own and ring.head <= at.get(seg_ino, 1 << 62)):
                 raise _Unknown
@@ -560,18 +563,22 @@ class Channel:
 
     def _announce(self, number: int, frame: scm_rights.Frame,
                   data: bytes) -> tuple[scm_rights.Frame, list[int]]:
-        """An announce's frame (a one-array message with its fds: the memory's memfd, then
-        an in-flight description of its lease file) and the fds to close once it is
-        taken.  As this channel's sole reader: keep a new fd of the memfd (once: a repeat
-        finds it kept), and attach the memory here, as for a record without fds, which
-        leaves this process a description of the lease file (``ofd_lease``'s holding)
-        through which later records are held; the message's own fds are then spent."""
+        """An announce's frame (a one-array message with its fds: the memory's memfd, if
+        it is in one, then an in-flight description of its lease file) and the fds to
+        close once it is taken.  As this channel's sole reader: keep a new fd of the memfd
+        (once: a repeat finds it kept), and attach the memory here, as for a record
+        without fds, which leaves this process a description of the lease file
+        (``ofd_lease``'s holding) through which later records are held; the message's own
+        fds are then spent.  Memory in no file (inode 0: a CUDA IPC allocation, which its
+        handle in the message names) keeps nothing but that description."""
         fds = frame.fds
-        if not self._mine or len(fds) != 2 or len(data) < 1 + _ANN_HEAD.size:
+        if not self._mine or len(data) < 1 + _ANN_HEAD.size:
             return frame, []  # loaded as any message (the loader says what is malformed)
         keep = self._keep
         tag, seg_ino, _, seg_no, index, own = _ANN_HEAD.unpack_from(data, 1)
-        if seg_ino not in keep:
+        if len(fds) != (2 if seg_ino else 1):
+            return frame, []
+        if seg_ino and seg_ino not in keep:
             try:
                 if (len(keep) >= _KEEP_FILES or _kept_files() >= _keep_max()
                         or own and _fds_short()):
@@ -585,7 +592,7 @@ class Channel:
                                                    os.getpid())
                 return frame, []
         return self._attach(number, tag >> 32, frame.data, lambda: fds[0],
-                            lambda: fds[1]), fds
+                            lambda: fds[-1]), fds
 
     def _note_origin(self, ino: int, pid: int, fd_no: int, index: int, fd: int) -> None:
         """Note where a memfd about to be kept comes from, for :meth:`_sweep`: raises
@@ -841,7 +848,8 @@ class Channel:
 
 # What attaching a message's memory raises when it never can be: the message is lost
 _FAILURES = (OSError, ValueError, TypeError, LookupError, AttributeError, EOFError,
-             MemoryError, OverflowError, pickle.UnpicklingError, struct.error)
+             MemoryError, OverflowError, pickle.UnpicklingError, struct.error,
+             RuntimeError)  # a CUDA error: a handle its exporter's death made invalid
 
 
 class _Unknown(Exception):
@@ -866,7 +874,7 @@ class _Held(scm_rights.Frame):
             self.started = True
             raise self.error
         try:
-            return cast(_T, _reductions.held_load(self.anchor, self.view))
+            return cast(_T, _reductions.held_load(self.data, self.anchor, self.view))
         except _FAILURES as e:  # a view its memory cannot have (a malformed record): lost
             if _raised_by_a_signal_handler(e):
                 raise

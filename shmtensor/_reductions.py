@@ -21,7 +21,7 @@ import types
 import weakref
 from collections import ChainMap
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from shmtensor.ipc import scm_rights
 
@@ -360,18 +360,28 @@ def held_attach(data: Payload, seg_fd: Callable[[], int],
     ``_channel.Channel.post``): its memory, attached and held here, and what
     :func:`held_load` makes the array of.  Run under the channel's readers' lock, before
     the message leaves the channel."""
-    if bytes(data[:2]) != NUMPY_LANE:
-        raise pickle.UnpicklingError(f"a message of kind {bytes(data[:2])!r} came without "
-                                     "fds: only a numpy array's may")
-    if not _held:
-        from ._numpy import held_attach as attach, held_load as load
-        _held[:] = [attach, load]
-    return cast("tuple[Any, Any]", _held[0](data, seg_fd, lease))
+    held: tuple[Any, Any] = _held_pair(data)[0](data, seg_fd, lease)
+    return held
 
 
-def held_load(anchor: Any, view: Any) -> object:
-    """The array of a message :func:`held_attach` attached."""
-    return _held[1](anchor, view)
+def held_load(data: Payload, anchor: Any, view: Any) -> object:
+    """The object of a message :func:`held_attach` attached."""
+    return _held_pair(data)[1](anchor, view)
+
+
+def _held_pair(data: Payload) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The adapter's (attach, load) of a lane message that came without fds."""
+    kind = bytes(data[:2])
+    if kind == NUMPY_LANE:
+        if not _held:
+            from ._numpy import held_attach as attach, held_load as load
+            _held[:] = [attach, load]
+        return _held[0], _held[1]
+    pair = _registry.held_kind(kind)
+    if pair is None:
+        raise pickle.UnpicklingError(f"a message of kind {kind!r} came without fds, which "
+                                     "no adapter of this process loads")
+    return pair
 
 
 # numpy's adapter's held_attach and held_load, once the first such message imported it

@@ -36,6 +36,11 @@ if TYPE_CHECKING:
     Lane: TypeAlias = Callable[[Any], tuple[bytes, SendContext] | None]
     # loads(data, fds): the object of a lane message; closes every fd it does not keep
     LaneLoads: TypeAlias = Callable[[Payload, list[int]], object]
+    # attach(data, memory_fd, lease): a lane message that came without fds, its memory
+    # held here: (what holds it, what load needs); load(held, view): its object
+    HeldAttach: TypeAlias = Callable[[Payload, Callable[[], int], Callable[[], int]],
+                                     tuple[Any, Any]]
+    HeldLoad: TypeAlias = Callable[[Any, Any], object]
     Stats: TypeAlias = Callable[[], dict[str, int]]  # an adapter's debug_info() counters
     # view(obj, cls): obj's memory as an instance of cls (a base or a subclass of obj's type)
     View: TypeAlias = Callable[[Any, type], Any]
@@ -45,6 +50,7 @@ _reducers: dict[type, Reduce] = {}             # type -> reduce(obj) -> (fn, arg
 _lanes: dict[type, Lane] = {}                  # type -> dumps(obj) -> (payload, ctx) | None
 _views: dict[type, View] = {}                  # type -> view(obj, cls), for its subclasses
 _lane_kinds: dict[bytes, LaneLoads] = {}       # 2-byte message kind -> loads(data, fds)
+_held_kinds: dict[bytes, tuple[HeldAttach, HeldLoad]] = {}  # the same, sent without fds
 _lazy: dict[str, list[Callable[[], None]]] = {}  # top-level module -> installers to run
 _stats: list[Stats] = []                       # debug_info() counters of adapters
 _on_import: dict[str, list[Callable[[ModuleType], None]]] = {}  # module -> after_import hooks
@@ -125,6 +131,22 @@ def register_lane_kind(kind: bytes, loads: LaneLoads) -> None:
             raise ValueError(f"lane kind {kind!r} is registered already")
         _lane_kinds[kind] = loads
         _record(_lane_kinds, kind)
+
+
+def register_held_kind(kind: bytes, attach: HeldAttach, load: HeldLoad) -> None:
+    """Lane messages of ``kind`` (see :func:`register_lane_kind`) may come without fds
+    (``_channel.Channel.post``, for a ``SendContext.handle``): ``attach(data, memory_fd,
+    lease)`` attaches and holds their memory as the channel takes the record (``memory_fd()``
+    and ``lease()`` give the memory's memfd and a description of its lease file, asked for
+    only where this process lacks them), and ``load(held, view)`` makes the object of what
+    it returned."""
+    if len(kind) != 2 or kind[0] != 0:
+        raise ValueError(f"a lane kind is two bytes starting with 0, not {kind!r}")
+    with _lock:
+        if _held_kinds.get(kind, (attach, load)) != (attach, load):
+            raise ValueError(f"held kind {kind!r} is registered already")
+        _held_kinds[kind] = (attach, load)
+        _record(_held_kinds, kind)
 
 
 def register_lazy(module: str, install: Callable[[], None]) -> None:
@@ -255,6 +277,10 @@ def tables() -> tuple[dict[type, Reduce], dict[type, Lane]]:
 
 def lane_loader(kind: bytes) -> LaneLoads | None:
     return _lane_kinds.get(kind)
+
+
+def held_kind(kind: bytes) -> tuple[HeldAttach, HeldLoad] | None:
+    return _held_kinds.get(kind)
 
 
 def stats() -> dict[str, int]:

@@ -95,9 +95,11 @@ class LaneContext(SendContext):
     made when the message is sent.  ``keep`` keeps the data fd open until then.
 
     ``handle``: for memory this process made in a memfd, (its fd, its inode, the fd and
-    inode of its lease shard, its size or 0 for a slab), by which a channel may send the message without fds to a
-    reader that has them (``_channel.Channel.post``); ``keep`` is then the anchor that
-    holds the memory until that reader holds it."""
+    inode of its lease shard, its size or 0 for a slab), or (-1, 0, the shard's fd and
+    inode, 0) for memory in no file (a CUDA IPC allocation, which the payload's handle
+    names), by which a channel may send the message without fds to a reader that has them
+    (``_channel.Channel.post``); ``keep`` is then the anchor that holds the memory until
+    that reader holds it."""
 
     __slots__ = ("table_id", "slot", "handle")
 

@@ -288,7 +288,7 @@ def test_an_exception_while_a_record_without_fds_is_loaded_leaves_it_for_the_nex
         pass
     real = _reductions.held_load
 
-    def interrupted(anchor, view):
+    def interrupted(data, anchor, view):
         monkeypatch.setattr(_reductions, "held_load", real)
         raise Interrupt
     ctx = smp.get_context("spawn")

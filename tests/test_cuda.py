@@ -140,6 +140,36 @@ def test_cuda_send_many(cp, ctx, lc, mode, count=10_000):
     join_all(p1, p2, p3)
 
 
+def test_ipc_arrays_after_the_first_go_without_fds_and_arrive_whole(cp, ctx, lc,
+                                                                  monkeypatch):
+    # once this process reads the queue alone and took the announce of the producer's
+    # lease file, each array the producer exported goes as a record without fds (its
+    # IPC handle in the record), held here as the record is taken
+    from shmtensor import _channel
+    calls = [0]
+    real = _channel.Channel._held
+
+    def held(self, number, data):
+        calls[0] += 1
+        return real(self, number, data)
+    monkeypatch.setattr(_channel.Channel, "_held", held)
+    n = 200
+    q, e = ctx.Queue(), ctx.Event()
+    q.put("join")  # this process becomes the sole reader first
+    assert q.get(timeout=JOIN) == "join"
+    p = ctx.Process(target=ch.send_and_delete, args=(q, e, np.int64, n, 5, "ipc"))
+    p.start()
+    got = [q.get(timeout=JOIN) for _ in range(n)]
+    assert [int(a[0]) for a in got] == list(range(n))
+    assert all(bool((a == i).all()) for i, a in enumerate(got))
+    assert calls[0] >= n - 8  # all but the announce of each of its 8 lease files
+    del got
+    e.set()
+    join_all(p)
+    assert p.exitcode == 0
+    q.close()
+
+
 def test_ipc_evicted_mappings_are_closed_off_thread_and_taken_back(cp, ctx, lc, monkeypatch):
     """More handles than the idle limit: evicted mappings go to the closer thread, a handle
     met again is taken back from it or opened anew once closed, and every value is right."""

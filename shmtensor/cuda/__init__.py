@@ -72,6 +72,18 @@ def _ipc_lane(data: Payload, fds: list[int]) -> Any:
     return _ipc_lane_loads(data, fds)  # type: ignore[misc]  # bound by the import above
 
 
+def _ipc_held_attach(data: Payload, memory_fd: Callable[[], int],
+                     lease: Callable[[], int]) -> tuple[Any, Any]:
+    """A legacy IPC lane message that came without fds: ``_ipc.held_attach``."""
+    from ._ipc import held_attach
+    return held_attach(data, memory_fd, lease)
+
+
+def _ipc_held_load(mem: Any, view: Any) -> Any:
+    from ._ipc import held_load
+    return held_load(mem, view)
+
+
 def _stats() -> dict[str, int]:
     from . import _reducers  # no CuPy import: counters of empty tables until it is used
     return _reducers.stats()
@@ -89,6 +101,7 @@ if "cupy" not in sys.modules:  # else installed (and its events recorded) just n
     _registry.after_import("cupy", _record_event_devices)
 _registry.register_lane_kind(b"\0V", _lane_loads)  # _vmm.LANE
 _registry.register_lane_kind(b"\0I", _ipc_lane)  # _ipc.LANE
+_registry.register_held_kind(b"\0I", _ipc_held_attach, _ipc_held_load)
 _registry.register_stats(_stats)
 
 

@@ -40,7 +40,7 @@ from typing import Any, cast
 from shmtensor.ipc import cuda_ipc, ofd_lease
 from shmtensor.ipc.scm_rights import close_fds
 
-from .. import _wire
+from .. import _channel, _wire
 from . import _device, _events, _release
 
 _IPC_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
@@ -445,13 +445,21 @@ def _home(cp: Any, table_id: str, slot: int, offset: int, shape: tuple[int, ...]
     """The array of a message that came back to the process that exported its chunk (its
     own memory, no IPC), or None.  The chunk's memory object is the owner, so CuPy's pool
     cannot take it back under this array."""
+    mem = _home_memory(cp, table_id, slot)
+    if mem is None:
+        return None
+    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
+
+
+def _home_memory(cp: Any, table_id: str, slot: int) -> Any:
+    """The allocation of chunk ``slot`` of ``table_id`` if this process exported it (its
+    chunk's memory object the owner), or None."""
     lease = own_lease(table_id, slot)
     mem = lease.mem if lease is not None else None
     if mem is None:
         return None
     ex = cast(_Lease, lease).export  # not None: it had memory
-    mem = cp.cuda.UnownedMemory(ex.base, ex.size, mem, ex.device)
-    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
+    return cp.cuda.UnownedMemory(ex.base, ex.size, mem, ex.device)
 
 
 def _mapped(cp: Any, device: int, handle: bytes, bus_id: str, size: int, table_id: str,
@@ -497,6 +505,7 @@ def lane_dumps(cp: Any, arr: Any, mem: Any, owner: object
     device = arr.device.id
     if arr.size == 0 or cp.cuda.runtime.getDevice() != device:
         return None
+    named = None  # an export of its own may go without fds (see LaneContext.handle)
     if isinstance(owner, _Use):  # forwarding what we received: same handle, same slot
         m = owner.mapping
         handle, bus_id, size, base = m.handle, m.bus_id, m.size, m.ptr
@@ -505,14 +514,16 @@ def lane_dumps(cp: Any, arr: Any, mem: Any, owner: object
         lease, keep = _export(cp, arr, device)
         ex = lease.export
         handle, bus_id, size, base = ex.handle, ex.bus_id, ex.size, ex.base
-        table_id, slot = ofd_lease.own_table().id, lease.slot
+        table = ofd_lease.own_table()
+        table_id, slot = table.id, lease.slot
+        named = (-1, 0, *table.shard(slot), 0)
     ev = _events.order_now(cp, device, cp.cuda.get_current_stream())
     shape = arr.shape
     strides = None if arr._c_contiguous and 1 not in shape else arr.strides
     fields = (handle, bus_id, size, arr.data.ptr - base, shape, strides, arr.dtype.str,
               table_id, slot, ev)
     return (LANE + pickle.dumps(fields, pickle.HIGHEST_PROTOCOL),
-            _wire.LaneContext(keep, None, table_id, slot))
+            _wire.LaneContext(keep, None, table_id, slot, named))
 
 
 def lane_loads(data: _wire.Payload, fds: list[int]) -> Any:
@@ -526,6 +537,52 @@ def lane_loads(data: _wire.Payload, fds: list[int]) -> Any:
                        table_id, slot, fds, None, event_handle)
     finally:
         close_fds(fds)
+
+
+def held_attach(data: _wire.Payload, memory_fd: Callable[[], int],
+                lease: Callable[[], int]) -> tuple[Any, tuple[Any, ...]]:
+    """The chunk of a :func:`lane_dumps` message that came without fds (its reader holds
+    its exporter's lease file already), mapped and held here as the channel takes the
+    record: its memory (which holds it), and the view's fields for :func:`held_load`.
+    ``lease`` gives a description of the lease file, asked for only where this process
+    has none; the memory is the handle's, so ``memory_fd`` is never asked for."""
+    (handle, bus_id, size, offset, shape, strides, dtype, table_id, slot,
+     event_handle) = pickle.loads(memoryview(data)[len(LANE):])
+    cp = _device.cupy()
+    _release.poll()
+    device = _device.local_device(cp, bus_id)
+    home = _home_memory(cp, table_id, slot)
+    if home is not None:  # its own memory, and its own work on it: no wait (see _attach)
+        return home, (offset, shape, strides, dtype, None, device)
+    view = (offset, shape, strides, dtype, event_handle, device)
+    take = functools.partial(_hold_named, table_id, slot, lease)
+    if cp.cuda.runtime.getDevice() == device:
+        return _mapped(cp, device, handle, bus_id, size, table_id, slot, take), view
+    with cp.cuda.Device(device):
+        return _mapped(cp, device, handle, bus_id, size, table_id, slot, take), view
+
+
+def _hold_named(table_id: str, slot: int, lease: Callable[[], int]) -> None:
+    """Hold ``slot`` through this process's description of its lease file, made from
+    ``lease()`` where it has none."""
+    try:
+        ofd_lease.hold(table_id, slot)
+    except KeyError:
+        ofd_lease.hold(table_id, slot, lease())
+
+
+def held_load(mem: Any, view: tuple[Any, ...]) -> Any:
+    """The array of a message :func:`held_attach` attached, once the current stream waits
+    for the sender's work."""
+    offset, shape, strides, dtype, event_handle, device = view
+    cp = _device.cupy()
+    if event_handle is not None:
+        if cp.cuda.runtime.getDevice() == device:
+            _wait(cp, event_handle, None)
+        else:
+            with cp.cuda.Device(device):
+                _wait(cp, event_handle, None)
+    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
 
 
 def rebuild_empty(shape: tuple[int, ...], dtype: str, bus_id: str) -> Any:
@@ -570,7 +627,10 @@ def _wait_closed(timeout: float) -> bool:
 
 def collect() -> int:
     """Drop leases nobody holds any more (their memory returns to CuPy's pool) and close
-    the idle mappings of other processes' memory.  Returns the leases dropped."""
+    the idle mappings of other processes' memory.  Returns the leases dropped.  A queue's
+    records sent without fds keep their exports' tokens until taken: those taken since the
+    last put are let go of first."""
+    _channel.prune_all()
     if _mappings.open:
         evict(0)
     if _mappings.closing or _mappings.busy:
