@@ -194,8 +194,17 @@ def _handle(seg: Segment) -> tuple[int, int, int, int, int] | None:
 # a record without fds keeps its array's anchor until taken: let go of those taken before
 # a segment is chosen, so that one is reused; and a reader that stops calling get lets go
 # of what it kept for memory its writers freed, on the sweeper thread's passes
-_segments.releasers.append(_channel.prune_all)
-_segments.sweepers.append(_channel.sweep_all)
+def _prune_channels() -> None:
+    _channel.prune_all()
+
+
+def _sweep_channels() -> bool:
+    return _channel.sweep_all()
+
+
+# (looked up when called: this adapter may be installed while _channel is being imported)
+_segments.releasers.append(_prune_channels)
+_segments.sweepers.append(_sweep_channels)
 
 
 def held_attach(data: Payload, seg_fd: Callable[[], int],

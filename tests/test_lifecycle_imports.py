@@ -63,3 +63,26 @@ def test_a_spawned_worker_imports_numpy_and_cloudpickle_only_when_used(method, t
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["ok"], r.stdout
+
+
+@pytest.mark.parametrize("first", ["shmtensor._channel", "shmtensor.cuda._ipc",
+                                   "shmtensor.multiprocessing", "shmtensor"])
+def test_numpy_imported_first_then_any_module_of_ours_installs_the_numpy_adapter(first):
+    # numpy imported before shmtensor installs its adapter at once, in the middle of
+    # whichever of our modules is imported first (CuPy imports numpy; shmtensor's CUDA
+    # adapter reaches the channel): nothing of that module is looked up before it is whole
+    code = textwrap.dedent(f"""
+        import numpy
+        import {first}
+        import shmtensor, shmtensor.multiprocessing as smp
+        q = smp.get_context("spawn").SimpleQueue()
+        q.put(shmtensor.full(4, 3.0))
+        b = q.get()
+        print(shmtensor.is_shared(b), float(b.sum()))
+        q.close()
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "12.0"], r.stdout
+    assert "failed and is disabled" not in r.stderr, r.stderr
