@@ -77,7 +77,7 @@ _KEEP_FILES = 64  # files a sole reader keeps per channel (see _keep_max for the
 # generation: what its receive cache may keep mapped while idle (which pins as much)
 _KEEP_BYTES = 2 << 30
 _SWEEP_SECONDS = 1.0  # how often a reader that drains its queue looks for freed memfds
-_TURN_MOMENT = 0.005  # seconds a get that does not block waits for another's turn
+TURN_MOMENT = 0.1  # the longest a get waits for the sweeper thread's turn (sweep_idle)
 _HEAD = struct.Struct("=QQ")  # a datagram's head: its record's number, its tag
 SIDE_MAX = 64 << 10  # a body up to this goes in the datagram itself; a longer one in a memfd
 _DATAGRAM_MAX = _HEAD.size + SIDE_MAX
@@ -118,7 +118,7 @@ class Channel:
     __slots__ = ("ring", "turn", "waitable", "_side_r", "_side_w", "_taken", "_last", "_raw",
                  "_made", "_handing", "_pid", "_spent", "_close", "_keep", "_old", "_mine",
                  "_announced", "_announced_at", "_once", "_pending", "_dev", "_hot", "_origin",
-                 "_sweep_at", "__weakref__")
+                 "_sweep_at", "sweeping", "sweeps", "_closing", "__weakref__")
 
     def __init__(self, ring: Ring, side_r: socket.socket, side_w: socket.socket) -> None:
         self.ring, self._side_r, self._side_w = ring, side_r, side_w
@@ -132,6 +132,13 @@ class Channel:
         # (for the sweep that lets go of what its writer freed)
         self._origin: dict[int, tuple[int, int, int, int]] = {}
         self._sweep_at = 0.0
+        # set while the sweeper thread takes or holds the turn, and its passes counted
+        # (sweep_idle): a receive that found the turn taken by a pass waits a moment for
+        # it; and what close() and the sweeper's pass take, so that a close never drops
+        # what a pass holds in hand
+        self.sweeping = False
+        self.sweeps = 0
+        self._closing = threading.RLock()
         # As writer: the reader word each file was last announced under; and the anchors
         # of records sent without fds, kept until ``head`` passes them (their reader holds
         # the memory by then)
@@ -199,8 +206,8 @@ class Channel:
         a forked child, the parent's frames let go of first)."""
         if self._pid != os.getpid():
             self._forked()
-        if not block:  # a moment: the sweeper thread may hold the turn (sweep_idle)
-            return (True, _TURN_MOMENT)
+        if not block:
+            return (False,)
         return () if timeout is None else (True, max(0.0, timeout))
 
     # -- sending -----------------------------------------------------------------------
@@ -540,17 +547,25 @@ class Channel:
         earlier generations' files no record from ``head`` on names, unless a thread of
         this process is receiving (it sweeps itself as it drains or waits).  True while
         anything is kept."""
-        if self._pid != os.getpid() or not self.turn.acquire(False):
-            return bool(self._keep or self._old)
+        if self._pid != os.getpid():
+            return False  # a forked copy: let go of as the fork ends (see _after_fork)
+        self.sweeps += 1; self.sweeping = True  # noqa: E702 (before the turn is taken)
         try:
-            if not self._taken and self._close.alive:  # a frame in hand: its receive's
-                if self._origin and time.monotonic() >= self._sweep_at:
-                    self._sweep()
-                if self._old:
-                    self._drop_old(self.ring.head)
-            return bool(self._keep or self._old)
+            if not self.turn.acquire(False):
+                return bool(self._keep or self._old)
+            try:
+                with self._closing:
+                    # a frame in hand is its receive's
+                    if not self._taken and self._close.alive:
+                        if self._origin and time.monotonic() >= self._sweep_at:
+                            self._sweep()
+                        if self._old:
+                            self._drop_old(self.ring.head)
+                    return bool(self._keep or self._old)
+            finally:
+                self.turn.release()
         finally:
-            self.turn.release()
+            self.sweeping = False
 
     def _drop_old(self, number: int) -> None:
         """Close kept files of earlier generations that no record from ``number`` on names
@@ -840,10 +855,13 @@ class Channel:
         self._once.clear()
         self._announced_at.clear()
         self._pending.clear()  # this process's copies of the parent's anchors
+        self.sweeping = False
+        self._closing = threading.RLock()
         self._reset()
 
     def close(self) -> None:
-        self._close()
+        with self._closing:
+            self._close()
 
 
 # What attaching a message's memory raises when it never can be: the message is lost
@@ -952,6 +970,20 @@ _prune_lock = threading.Lock()
 # another goes through them)
 _channels: weakref.WeakSet[Channel] = weakref.WeakSet()
 _channels_lock = threading.Lock()
+
+
+def _after_fork() -> None:
+    """In a forked child: every channel lets go of what it kept for the parent (kept
+    memfds, frames taken): kept on, they would pin the parent's memory for the child's
+    life, and no sweeper pass may touch a copy (see sweep_idle)."""
+    global _channels_lock
+    _channels_lock = threading.Lock()  # another thread may have held it across the fork
+    for channel in list(_channels):
+        if channel._pid != os.getpid():
+            channel._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def prune_all() -> None:

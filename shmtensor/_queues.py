@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, final
 from shmtensor.ipc import scm_rights
 
 from . import _reductions
-from ._channel import Channel, Lost, _raised_by_a_signal_handler
+from ._channel import TURN_MOMENT, Channel, Lost, _raised_by_a_signal_handler
 from ._connection import Connection, dumps_to_send, send_error
 from ._wire import SendContext
 
@@ -181,8 +181,13 @@ class _OnChannel:
         acquire = chan.turn_args(block, timeout)
         deadline = None if not block or timeout is None else time.monotonic() + timeout
         held: list[bool] = []  # this thread's turn to receive (see Channel.turn)
+        sweeping, sweeps = chan.sweeping, chan.sweeps
         try:
             held.extend(starmap(chan.turn.acquire, (acquire,)))
+            if not held[0] and (sweeping or chan.sweeping or chan.sweeps != sweeps):
+                # the sweeper thread's pass (Channel.sweep_idle) had the turn: a moment
+                held.clear()
+                held.extend(starmap(chan.turn.acquire, ((True, TURN_MOMENT),)))
             if not held[0]:
                 raise Empty
             try:

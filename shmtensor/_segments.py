@@ -925,6 +925,7 @@ def evict_idle(force: bool = False) -> int:
 # --- the sweeper, views for tools, fork ----------------------------------------------------
 
 _sweeper: tuple[threading.Thread, threading.Event] | None = None
+_sweeping_at_fork = False  # whether a fork stopped it (started again after, in the parent)
 SWEEP_SECONDS = 1.0
 _sweep_error_logged = False
 
@@ -936,13 +937,15 @@ def _sweep(stop: threading.Event) -> None:
     one pass is logged once and the next pass goes on."""
     global _sweeper, _sweep_error_logged
     while not stop.wait(SWEEP_SECONDS):
-        busy = False
+        busy = True  # unless every hook says it has nothing left (an error: try again)
         try:
             trim()
             evict_idle()
+            busy = False
             for hook in sweepers:
                 busy = hook() or busy
         except Exception:
+            busy = True
             if _AnchorRef.exiting:  # interpreter shutting down: nothing left to sweep for
                 return
             if not _sweep_error_logged:
@@ -976,8 +979,9 @@ def _stop_sweeper_before_fork() -> None:
     """No thread of ours runs across a fork: a child forked from a multi-threaded process
     may deadlock, and Python >= 3.12 warns about every such fork.  The sweeper is woken,
     joined, and started again after the fork (:func:`_after_fork_in_parent`)."""
-    global _sweeper
+    global _sweeper, _sweeping_at_fork
     sweeper, _sweeper = _sweeper, None
+    _sweeping_at_fork = sweeper is not None
     if sweeper is None:
         return
     thread, stop = sweeper
@@ -992,7 +996,7 @@ def _stop_sweeper_before_fork() -> None:
 
 
 def _after_fork_in_parent() -> None:
-    if _by_key:
+    if _by_key or _sweeping_at_fork:  # (a sweeper hook's work may need it, nothing mapped)
         _ensure_sweeper()
 
 

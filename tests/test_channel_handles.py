@@ -624,8 +624,9 @@ def test_a_reader_waiting_on_an_empty_queue_lets_go_of_what_its_writer_gave_back
     out.close()
 
 
+@pytest.mark.parametrize("fork", [False, True], ids=["plain", "forked"])
 def test_a_reader_that_stops_calling_get_lets_go_of_what_its_writer_gave_back(
-        lc, monkeypatch):
+        lc, monkeypatch, fork):
     # no get after the last array: the sweeper thread's pass closes the kept memfd (its
     # writer closed its own), so the memory is not pinned until a next receive that may
     # never come; a get that does not block still gets what waits meanwhile
@@ -643,6 +644,19 @@ def test_a_reader_that_stops_calling_get_lets_go_of_what_its_writer_gave_back(
     shmtensor.empty_cache()  # the receive cache's mapping (and its fd) goes
     time.sleep(0.3)
     assert list(q._chan._keep) == [ino]  # kept while the writer has it
+    if fork:
+        # a forked child lets go of what the parent keeps at once, and the parent's
+        # sweeper, stopped for the fork, starts again though nothing is mapped here
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(w, f"{len(q._chan._keep)} {_fds_of(ino)}".encode())
+            os._exit(0)
+        os.close(w)
+        assert os.read(r, 100).decode() == "0 0"
+        os.close(r)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert list(q._chan._keep) == [ino]
     took.set()
     assert out.get(timeout=JOIN) >= OWN
     deadline = time.monotonic() + JOIN
@@ -662,25 +676,42 @@ def test_a_reader_that_stops_calling_get_lets_go_of_what_its_writer_gave_back(
     out.close()
 
 
-def test_a_get_that_does_not_block_waits_out_a_sweep_of_the_queue(lc):
-    # the sweeper thread takes the queue's turn for a pass: a get(False) meanwhile still
-    # gets what waits, instead of raising Empty
+@pytest.mark.parametrize("args", [(False,), (True, 0)], ids=["nowait", "timeout0"])
+def test_a_get_that_does_not_wait_waits_out_a_sweep_of_the_queue_only(lc, args):
+    # the sweeper thread takes the queue's turn for a pass (Channel.sweep_idle): a get
+    # that does not wait still gets what waits meanwhile, instead of raising Empty; while
+    # another thread of the program has the turn, it raises Empty at once, as the
+    # stdlib's does
     import threading
     q = _spawn.Queue()
     q.put("x")
     deadline = time.monotonic() + JOIN
     while q.empty() and time.monotonic() < deadline:
         time.sleep(0.01)
-    turn, taken = q._chan.turn, threading.Event()
+    chan, taken, go = q._chan, threading.Event(), threading.Event()
 
-    def sweep():
-        with turn:
+    def hold(sweeper):
+        if sweeper:
+            chan.sweeps += 1
+            chan.sweeping = True
+        with chan.turn:
             taken.set()
-            time.sleep(0.002)
-    t = threading.Thread(target=sweep)
+            go.wait(JOIN) if not sweeper else time.sleep(0.005)
+        chan.sweeping = False
+    t = threading.Thread(target=hold, args=(False,))
     t.start()
     assert taken.wait(JOIN)
-    assert q.get(False) == "x"
+    t0 = time.monotonic()
+    with pytest.raises(queue.Empty):
+        q.get(*args)
+    assert time.monotonic() - t0 < 0.05
+    go.set()
+    t.join(JOIN)
+    taken.clear()
+    t = threading.Thread(target=hold, args=(True,))
+    t.start()
+    assert taken.wait(JOIN)
+    assert q.get(*args) == "x"
     t.join(JOIN)
     q.close()
 
