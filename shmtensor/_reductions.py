@@ -371,12 +371,12 @@ def held_load(data: Payload, anchor: Any, view: Any) -> object:
 
 def _held_pair(data: Payload) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """The adapter's (attach, load) of a lane message that came without fds."""
-    kind = bytes(data[:2])
-    if kind == NUMPY_LANE:
+    if data[:2] == NUMPY_LANE:
         if not _held:
             from ._numpy import held_attach as attach, held_load as load
-            _held[:] = [attach, load]
-        return _held[0], _held[1]
+            _held.append((attach, load))
+        return _held[0]
+    kind = bytes(data[:2])
     pair = _registry.held_kind(kind)
     if pair is None:
         raise pickle.UnpicklingError(f"a message of kind {kind!r} came without fds, which "
@@ -385,4 +385,4 @@ def _held_pair(data: Payload) -> tuple[Callable[..., Any], Callable[..., Any]]:
 
 
 # numpy's adapter's held_attach and held_load, once the first such message imported it
-_held: list[Callable[..., Any]] = []
+_held: list[tuple[Callable[..., Any], Callable[..., Any]]] = []
