@@ -548,24 +548,24 @@ class Channel:
         this process is receiving (it sweeps itself as it drains or waits).  True while
         anything is kept."""
         if self._pid != os.getpid():
-            return False  # a forked copy: let go of as the fork ends (see _after_fork)
-        self.sweeps += 1; self.sweeping = True  # noqa: E702 (before the turn is taken)
+            return False  # a forked copy: its files closed as the fork ended (_after_fork)
+        if not self.turn.acquire(False):
+            return bool(self._keep or self._old)
+        # Marked while the turn is held, and counted: a get that found the turn taken
+        # (it read the count, then the mark, before it tried) sees either the mark then,
+        # or the mark or a new count after (see _queues' get), and waits for the turn
         try:
-            if not self.turn.acquire(False):
+            self.sweeping = True; self.sweeps += 1  # noqa: E702
+            with self._closing:
+                if not self._taken and self._close.alive:  # a frame in hand: its receive's
+                    if self._origin and time.monotonic() >= self._sweep_at:
+                        self._sweep()
+                    if self._old:
+                        self._drop_old(self.ring.head)
                 return bool(self._keep or self._old)
-            try:
-                with self._closing:
-                    # a frame in hand is its receive's
-                    if not self._taken and self._close.alive:
-                        if self._origin and time.monotonic() >= self._sweep_at:
-                            self._sweep()
-                        if self._old:
-                            self._drop_old(self.ring.head)
-                    return bool(self._keep or self._old)
-            finally:
-                self.turn.release()
         finally:
             self.sweeping = False
+            self.turn.release()
 
     def _drop_old(self, number: int) -> None:
         """Close kept files of earlier generations that no record from ``number`` on names
@@ -651,7 +651,7 @@ class Channel:
         receive."""
         try:
             anchor, view = _reductions.held_attach(payload, seg_fd, lease)
-        except _FAILURES as e:
+        except Exception as e:  # an adapter's any error (CuPy gone: ImportError) loses it
             if _raised_by_a_signal_handler(e):
                 raise
             return _Held(b"", None, None, OSError(
@@ -973,14 +973,18 @@ _channels_lock = threading.Lock()
 
 
 def _after_fork() -> None:
-    """In a forked child: every channel lets go of what it kept for the parent (kept
-    memfds, frames taken): kept on, they would pin the parent's memory for the child's
-    life, and no sweeper pass may touch a copy (see sweep_idle)."""
+    """In a forked child: every channel closes the memfds it kept for the parent (kept
+    on, they would pin the parent's memory for the child's life; no sweeper pass touches
+    a copy, see sweep_idle).  Only files: an anchor let go of here would release its hold
+    through the description the child shares with the parent, before ``ofd_lease`` gives
+    the child descriptions of its own, and so drop the parent's lock.  The rest goes at
+    the copy's first use (:meth:`Channel._forked`)."""
     global _channels_lock
     _channels_lock = threading.Lock()  # another thread may have held it across the fork
     for channel in list(_channels):
         if channel._pid != os.getpid():
-            channel._forked()
+            _let_go(channel._keep, channel._old)
+            channel._origin.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork)

@@ -181,7 +181,7 @@ class _OnChannel:
         acquire = chan.turn_args(block, timeout)
         deadline = None if not block or timeout is None else time.monotonic() + timeout
         held: list[bool] = []  # this thread's turn to receive (see Channel.turn)
-        sweeping, sweeps = chan.sweeping, chan.sweeps
+        sweeps, sweeping = chan.sweeps, chan.sweeping  # in this order (see sweep_idle)
         try:
             held.extend(starmap(chan.turn.acquire, (acquire,)))
             if not held[0] and (sweeping or chan.sweeping or chan.sweeps != sweeps):

@@ -716,6 +716,119 @@ def test_a_get_that_does_not_wait_waits_out_a_sweep_of_the_queue_only(lc, args):
     q.close()
 
 
+_FORK_KEEPS_HOLDS = """
+import os, sys, time, types
+sys.modules["cupy"] = types.ModuleType("cupy")  # as CuPy imported first: the CUDA adapter,
+import numpy as np                              # and so the channel, load during our init
+import shmtensor, shmtensor.multiprocessing as smp
+from shmtensor import _segments
+from shmtensor.ipc import ofd_lease
+sys.path.insert(0, sys.argv[1])
+from handle_helpers import put_many
+
+if __name__ == "__main__":
+    ctx = smp.get_context("spawn")
+    q = ctx.Queue()
+    q.put("join"); assert q.get(timeout=60) == "join"
+    p = ctx.Process(target=put_many, args=(q, 40, 0))
+    p.start()
+    deadline = time.monotonic() + 60
+    while q.qsize() < 40 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    a = q.get(timeout=60)
+    seg = _segments.segment_of(a)
+    table, slot = seg.table_id, seg.slot
+    del a, seg
+    p.join(60)  # the writer exits: its anchors of the records still queued go with it
+    assert q._chan._hot  # the slab is held only by the channel's hot anchor now
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    h = ofd_lease._holdings[table]
+    probe = os.open(f"/proc/self/fd/{h.fds[slot % ofd_lease.SHARDS]}", os.O_RDWR)
+    print("held" if ofd_lease.probe_held(probe, slot) else "LOST")
+    os.close(probe)
+    rest = [q.get(timeout=60) for _ in range(39)]
+    print(sorted(int(a[0]) for a in rest) == list(range(1, 40)))
+    del rest
+    q.close(); q.join_thread()
+"""
+
+
+def test_a_fork_keeps_the_parents_holds_of_slabs_its_queues_keep_hot(tmp_path):
+    # a forked child lets go of the memfds its parent's queues kept, but not of their
+    # anchors, whose release would go through the lease description it shares with the
+    # parent before it has its own, dropping the parent's hold on a slab
+    import subprocess
+    import sys
+    (tmp_path / "prog.py").write_text(_FORK_KEEPS_HOLDS)
+    r = subprocess.run([sys.executable, str(tmp_path / "prog.py"), os.path.dirname(__file__)],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["held", "True"], (r.stdout, r.stderr)
+
+
+def test_a_timed_get_waits_no_longer_for_passes_that_found_the_turn_taken(lc):
+    # a sweeper pass that cannot take the turn (another thread receives) leaves no mark:
+    # a timed get that waited out its timeout for that thread raises Empty on time
+    import threading
+    q = _spawn.Queue()
+    chan, taken, go, stop = q._chan, threading.Event(), threading.Event(), threading.Event()
+
+    def hold():
+        with chan.turn:
+            taken.set()
+            go.wait(JOIN)
+
+    def passes():
+        while not stop.is_set():
+            chan.sweep_idle()
+            time.sleep(0.001)
+    threads = [threading.Thread(target=hold), threading.Thread(target=passes)]
+    threads[0].start()
+    assert taken.wait(JOIN)
+    threads[1].start()
+    t0 = time.monotonic()
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.2)
+    assert time.monotonic() - t0 < 0.28
+    stop.set()
+    go.set()
+    for t in threads:
+        t.join(JOIN)
+    q.close()
+
+
+def test_an_adapter_error_attaching_a_record_without_fds_loses_it_once(lc, monkeypatch):
+    # any error an adapter raises as the get hook attaches (CuPy that no longer imports,
+    # say) loses that message with an OSError; the record leaves the ring, and the queue
+    # goes on
+    from shmtensor import _reductions
+    real = _reductions._held_pair
+
+    def broken(data):
+        monkeypatch.setattr(_reductions, "_held_pair", real)
+
+        def attach(*args):
+            raise ImportError("no module named 'cupy'")
+        return attach, real(data)[1]
+    ctx = smp.get_context("spawn")
+    q, took = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=put_after_first, args=(q, took, 3))
+    p.start()
+    assert q.get(timeout=JOIN)[0] == 0
+    took.set()
+    assert q.get(timeout=JOIN)[0] == 1  # the announce
+    join_all(p)  # the next two are in the queue, without fds
+    monkeypatch.setattr(_reductions, "_held_pair", broken)
+    with pytest.raises(OSError, match="was lost.*cupy"):
+        q.get(timeout=JOIN)
+    assert int(q.get(timeout=JOIN)[0]) == 3
+    assert p.exitcode == 0
+    q.close()
+
+
 def test_what_a_process_keeps_over_all_its_queues_is_bounded(lc, monkeypatch):
     # three queues, a slab writer each, a process that may keep two files in all: each
     # queue goes on (a new generation where keeping would pass the bound), and never is
