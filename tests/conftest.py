@@ -23,6 +23,20 @@ def strategy(request):
 
 
 @pytest.fixture
+def counted(monkeypatch):
+    """How many records without fds this process took (``Channel._held`` calls)."""
+    from shmtensor import _channel
+    calls = [0]
+    real = _channel.Channel._held
+
+    def held(self, number, data):
+        calls[0] += 1
+        return real(self, number, data)
+    monkeypatch.setattr(_channel.Channel, "_held", held)
+    return calls
+
+
+@pytest.fixture
 def lc():
     """Every test that starts processes runs under the leak checker."""
     with leak_checker(timeout=15) as checker:

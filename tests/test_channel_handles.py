@@ -27,19 +27,6 @@ from handle_helpers import (OWN, echo, put_after_first, put_again, put_again_the
                             three_then_none)
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """How many records without fds this process took (``Channel._held`` calls)."""
-    calls = [0]
-    real = _channel.Channel._held
-
-    def held(self, number, data):
-        calls[0] += 1
-        return real(self, number, data)
-    monkeypatch.setattr(_channel.Channel, "_held", held)
-    return calls
-
-
 def _fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
@@ -278,6 +265,20 @@ def test_a_busy_reader_lets_go_of_each_slab_as_its_writer_moves_on(lc):
     out.close()
 
 
+def _two_queued_without_fds():
+    """A queue this process reads alone, with two slab arrays (2 and 3) of a writer that
+    has exited waiting in it as records without fds: (queue, the writer)."""
+    ctx = smp.get_context("spawn")
+    q, took = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=put_after_first, args=(q, took, 3))
+    p.start()
+    assert q.get(timeout=JOIN)[0] == 0
+    took.set()
+    assert q.get(timeout=JOIN)[0] == 1  # the announce
+    join_all(p)
+    return q, p
+
+
 def test_an_exception_while_a_record_without_fds_is_loaded_leaves_it_for_the_next_get(
         lc, monkeypatch):
     # its memory is attached and held as it leaves the ring: an exception (a signal
@@ -291,14 +292,7 @@ def test_an_exception_while_a_record_without_fds_is_loaded_leaves_it_for_the_nex
     def interrupted(data, anchor, view):
         monkeypatch.setattr(_reductions, "held_load", real)
         raise Interrupt
-    ctx = smp.get_context("spawn")
-    q, took = ctx.Queue(), ctx.Event()
-    p = ctx.Process(target=put_after_first, args=(q, took, 3))
-    p.start()
-    assert q.get(timeout=JOIN)[0] == 0
-    took.set()
-    assert q.get(timeout=JOIN)[0] == 1  # the announce
-    join_all(p)  # the next two are in the queue, without fds
+    q, p = _two_queued_without_fds()
     monkeypatch.setattr(_reductions, "held_load", interrupted)
     with pytest.raises(Interrupt):
         q.get(timeout=JOIN)
@@ -595,21 +589,27 @@ def test_a_writer_reuses_the_segment_its_reader_let_go_of_since_its_last_put(lc,
     ack.close()
 
 
-def test_a_reader_waiting_on_an_empty_queue_lets_go_of_what_its_writer_gave_back(
-        lc, monkeypatch):
-    # the writer lets go of the last record's anchor as it gives back idle memory (not
-    # at its next put only), and a get that waits on the drained queue sweeps, closing
-    # the kept memfd at once: nothing pins the memory while the queue stays empty
+def _kept_own_stream(n: int = 5):
+    """A writer's segment of its own sent ``n`` times to this process, which keeps its
+    memfd and let go of the arrays: (queue, writer, the memfd's inode, and the writer's
+    ``took``, ``done`` and ``out`` of ``put_again_then_free``)."""
     from shmtensor import _segments
-    monkeypatch.setattr(_channel, "_SWEEP_SECONDS", 0.0)
-    n = 5
     took, done, out = _spawn.Event(), _spawn.Event(), _spawn.Queue()
     q, p = _own_stream(put_again_then_free, n, took, done, out)
     got = [q.get(timeout=JOIN) for _ in range(n)]
     assert all((a == 7).all() for a in got)
     ino = os.fstat(_segments.segment_of(got[0]).fd).st_ino
     assert list(q._chan._keep) == [ino]
-    del got
+    return q, p, ino, took, done, out
+
+
+def test_a_reader_waiting_on_an_empty_queue_lets_go_of_what_its_writer_gave_back(
+        lc, monkeypatch):
+    # the writer lets go of the last record's anchor as it gives back idle memory (not
+    # at its next put only), and a get that waits on the drained queue sweeps, closing
+    # the kept memfd at once: nothing pins the memory while the queue stays empty
+    monkeypatch.setattr(_channel, "_SWEEP_SECONDS", 0.0)
+    q, p, ino, took, done, out = _kept_own_stream()
     took.set()
     assert out.get(timeout=JOIN) >= OWN
     with pytest.raises(queue.Empty):
@@ -633,14 +633,7 @@ def test_a_reader_that_stops_calling_get_lets_go_of_what_its_writer_gave_back(
     from shmtensor import _segments
     monkeypatch.setattr(_channel, "_SWEEP_SECONDS", 0.0)
     monkeypatch.setattr(_segments, "SWEEP_SECONDS", 0.05)
-    n = 5
-    took, done, out = _spawn.Event(), _spawn.Event(), _spawn.Queue()
-    q, p = _own_stream(put_again_then_free, n, took, done, out)
-    got = [q.get(timeout=JOIN) for _ in range(n)]
-    assert all((a == 7).all() for a in got)
-    ino = os.fstat(_segments.segment_of(got[0]).fd).st_ino
-    assert list(q._chan._keep) == [ino]
-    del got
+    q, p, ino, took, done, out = _kept_own_stream()
     shmtensor.empty_cache()  # the receive cache's mapping (and its fd) goes
     time.sleep(0.3)
     assert list(q._chan._keep) == [ino]  # kept while the writer has it
@@ -813,14 +806,7 @@ def test_an_adapter_error_attaching_a_record_without_fds_loses_it_once(lc, monke
         def attach(*args):
             raise ImportError("no module named 'cupy'")
         return attach, real(data)[1]
-    ctx = smp.get_context("spawn")
-    q, took = ctx.Queue(), ctx.Event()
-    p = ctx.Process(target=put_after_first, args=(q, took, 3))
-    p.start()
-    assert q.get(timeout=JOIN)[0] == 0
-    took.set()
-    assert q.get(timeout=JOIN)[0] == 1  # the announce
-    join_all(p)  # the next two are in the queue, without fds
+    q, p = _two_queued_without_fds()
     monkeypatch.setattr(_reductions, "_held_pair", broken)
     with pytest.raises(OSError, match="was lost.*cupy"):
         q.get(timeout=JOIN)
