@@ -651,7 +651,7 @@ class Channel:
         receive."""
         try:
             anchor, view = _reductions.held_attach(payload, seg_fd, lease)
-        except Exception as e:  # an adapter's any error (CuPy gone: ImportError) loses it
+        except _FAILURES as e:
             if _raised_by_a_signal_handler(e):
                 raise
             return _Held(b"", None, None, OSError(
@@ -867,7 +867,8 @@ class Channel:
 # What attaching a message's memory raises when it never can be: the message is lost
 _FAILURES = (OSError, ValueError, TypeError, LookupError, AttributeError, EOFError,
              MemoryError, OverflowError, pickle.UnpicklingError, struct.error,
-             RuntimeError)  # a CUDA error: a handle its exporter's death made invalid
+             RuntimeError,  # a CUDA error: a handle its exporter's death made invalid
+             ImportError)  # an adapter whose library no longer imports (CuPy)
 
 
 class _Unknown(Exception):
