@@ -132,7 +132,7 @@ class Channel:
         # (for the sweep that lets go of what its writer freed)
         self._origin: dict[int, tuple[int, int, int, int]] = {}
         self._sweep_at = 0.0
-        # set while the sweeper thread takes or holds the turn, and its passes counted
+        # set while a pass of the sweeper thread holds the turn, and those passes counted
         # (sweep_idle): a receive that found the turn taken by a pass waits a moment for
         # it; and what close() and the sweeper's pass take, so that a close never drops
         # what a pass holds in hand
