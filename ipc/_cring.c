@@ -32,14 +32,14 @@
 #include <unistd.h>
 
 /* The layout: ring.py checks these against its own constants at import (LAYOUT). */
-#define VERSION 1
+#define VERSION 2
 #define W_LOCK 64
 #define R_LOCK 128
 #define TAIL 192 /* uint64; its low half is the readers' futex word */
 #define HEAD 200 /* uint64; its low half is the writers' futex word */
 #define R_SLEEPS 208
 #define W_SLEEPS 212
-#define RECORDS 256
+#define RECORDS 320
 #define REC_SIZE 16 /* uint64 sequence number, uint32 writer's index, uint32 length */
 #define MAX_PROCS (1u << 16)
 

@@ -190,11 +190,12 @@ class _Holding:
     """This process's descriptions of a table (one per file, made on first need), and how
     many holds it has on each slot."""
 
-    __slots__ = ("table_id", "fds", "counts", "by", "lock", "fork_fds", "gone")
+    __slots__ = ("table_id", "fds", "inos", "counts", "by", "lock", "fork_fds", "gone")
 
     def __init__(self, table_id: str) -> None:
         self.table_id = table_id
         self.fds = [-1] * SHARDS
+        self.inos = [0] * SHARDS  # the files' inodes, once asked (holder)
         self.gone = False  # forgotten (forget_idle): hold() then adopts anew
         self.counts: dict[int, int] = {}
         # What holds each counted slot: -1 a lock through ``fds``, else a kept in-flight
@@ -374,6 +375,28 @@ def sendable(table_id: str, slot: int) -> int:
             return os.dup(fd)
         except OSError:  # out of fds: the caller's in-flight description says so
             return -1
+
+
+def holder(table_id: str, slot: int) -> tuple[int, int]:
+    """This process's fd of a description of ``slot``'s file while it holds the slot
+    through one (its description of the table's file, or a kept in-flight one), and that
+    file's inode, else (-1, 0): what another process may open through
+    ``/proc/<pid>/fd`` (checking the inode) to hold the slot itself."""
+    h = _holdings.get(table_id)
+    if h is None:
+        return -1, 0
+    k = slot % SHARDS
+    fd = h.by.get(slot, -2)
+    if fd == -1:
+        fd = h.fds[k]
+    if fd < 0:
+        return -1, 0
+    if not h.inos[k]:
+        try:
+            h.inos[k] = os.fstat(fd).st_ino
+        except OSError:  # let go of meanwhile
+            return -1, 0
+    return fd, h.inos[k]
 
 
 _kept = 0  # in-flight descriptions kept as holds, in all tables (under _kept_lock)

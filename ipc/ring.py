@@ -125,7 +125,7 @@ MAX_PROCS = 1 << 16  # process indices per ring
 LIVE = 1 << 40  # byte of the memfd whose lock is process index 0 (locks may lie past EOF)
 
 _MAGIC = 0x31474E4952545453  # b"STTRING1"
-_VERSION = 1
+_VERSION = 2
 _HEADER = struct.Struct("QIII")  # magic, version, capacity, record size
 _W_LOCK, _R_LOCK = 64, 128
 _TAIL, _HEAD, _R_SLEEPS, _W_SLEEPS, _NEXT = 192, 200, 208, 212, 216
@@ -136,8 +136,8 @@ _TAIL, _HEAD, _R_SLEEPS, _W_SLEEPS, _NEXT = 192, 200, 208, 212, 216
 _TAIL_Q, _HEAD_Q = _TAIL // 8, _HEAD // 8
 _R_SLEEPS_I, _W_SLEEPS_I, _NEXT_I = _R_SLEEPS // 4, _W_SLEEPS // 4, _NEXT // 4
 _USER = 224  # USER_WORDS 8-byte words the ring's user keeps (zero when made): Ring.user
-USER_WORDS = 4
-_RECORDS = 256
+USER_WORDS = 8
+_RECORDS = 320  # records start on a cache line
 _Q = struct.Struct("Q")
 _REC = struct.Struct("QII")  # sequence number, writer's process index, length
 _REC_SIZE = _REC.size
@@ -580,6 +580,22 @@ class Ring:
         if self._q is None:
             raise self._refusal(0)
         return int(self._q[_HEAD_Q])
+
+    def peek(self, number: int, size: int) -> bytes | None:
+        """The first ``size`` bytes of record ``number`` (fewer if it is shorter), read
+        without a lock, or None where its place holds another record.  Only a record not
+        yet taken (``head <= number < tail``) reads whole: once taken, its place may be
+        written again while it is read."""
+        mem = self._mem
+        if mem is None:
+            raise self._refusal(0)
+        if not _TSO:
+            _fence()  # the tail the caller read before the record it published
+        off = _RECORDS + number % self.capacity * self.record_size
+        seq, _, n = _REC.unpack_from(mem, off)
+        if seq != number + 1:
+            return None
+        return mem[off + _REC_SIZE:off + _REC_SIZE + min(n, size, self.payload_max)]
 
     def _refusal(self, n: int) -> Exception:
         if self._mem is None:

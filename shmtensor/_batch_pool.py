@@ -85,7 +85,7 @@ class BatchPool:
         return len(self._segments)
 
     def _free(self, seg: _segments.Segment) -> bool:
-        return not seg.alive() and not ofd_lease.own_table().is_held(seg.slot)
+        return not seg.alive() and not _segments.held_anywhere(ofd_lease.own_table(), seg.slot)
 
     def try_acquire(self) -> np.ndarray | None:
         """A free slot, without waiting.
@@ -158,7 +158,7 @@ class BatchPool:
         table = ofd_lease.own_table()
         here = sum(1 for seg in self._segments if seg.alive())
         elsewhere = sum(1 for seg in self._segments
-                        if not seg.alive() and table.is_held(seg.slot))
+                        if not seg.alive() and _segments.held_anywhere(table, seg.slot))
         name = _segments.file_of(self._segments[0].key)[0] if self._segments else None
         try:
             use = procfs.scan().get(name) if name is not None else None

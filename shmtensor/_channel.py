@@ -29,6 +29,8 @@ from __future__ import annotations
 import collections
 import errno
 import fcntl
+import functools
+import hashlib
 import itertools
 import mmap
 import os
@@ -48,10 +50,11 @@ from multiprocessing import reduction
 from typing import Any, TypeVar, cast
 
 from shmtensor.ipc import ofd_lease, scm_rights, shm_space
+from shmtensor.ipc.posix_shm import process_tag
 from shmtensor.ipc.ring import MAX_PROCS, Ring
 
 from . import _reductions
-from ._wire import Payload, SendContext
+from ._wire import LaneContext, Payload, SendContext
 
 _T = TypeVar("_T")
 
@@ -65,11 +68,20 @@ _ANN_HEAD = struct.Struct("=QQQiiB")
 # a handle's record without fds: the writer's pid, its fds of the memory's memfd and of
 # the lease file, their inodes, and the reader word it was written under
 _HELD_HEAD = struct.Struct("=IiQiQQ")
+# a record without fds that sends memory back to the process that made it (see post): the
+# maker's tag (of its lease table's id: _tag) and the memory's slot in that table, then
+# the fields of a handle's record (_HELD_HEAD: this writer's fds, for another reader)
+_FWD = b"F"
+_FWD_HEAD = struct.Struct("=QI")
 # The ring's user word that names the channel's readers: a generation (16 bits), then the
 # sole reader's process index (16 bits) and pid (32 bits), or pid 0 for several readers;
 # 0 before any read.  Only readers change it, under the readers' lock.
 _READER = 3
 _PID = 0xFFFFFFFF
+# The ring's user word that names the sole reader's lease table: the reader word's
+# generation (16 bits) and the tag of its table's id (48 bits), or 0 while the reader word
+# names no sole reader.  Stored just before the reader word, as readers store it.
+_MAKER = 4
 _ANNOUNCED_MAX = 1024  # what a writer remembers having announced, per channel
 _HOT_MAX = 64  # writers whose last slab a reader keeps held while records wait
 _KEEP_FILES = 64  # files a sole reader keeps per channel (see _keep_max for the process)
@@ -118,7 +130,7 @@ class Channel:
     __slots__ = ("ring", "turn", "waitable", "_side_r", "_side_w", "_taken", "_last", "_raw",
                  "_made", "_handing", "_pid", "_spent", "_close", "_keep", "_old", "_mine",
                  "_announced", "_announced_at", "_once", "_pending", "_dev", "_hot", "_origin",
-                 "_sweep_at", "sweeping", "sweeps", "_closing", "__weakref__")
+                 "_sweep_at", "sweeping", "sweeps", "_closing", "_names", "__weakref__")
 
     def __init__(self, ring: Ring, side_r: socket.socket, side_w: socket.socket) -> None:
         self.ring, self._side_r, self._side_w = ring, side_r, side_w
@@ -148,10 +160,14 @@ class Channel:
         self._pending: collections.deque[tuple[int, object]] = collections.deque()
         self._dev = -1
         self._hot: dict[int, object] = {}  # writer pid -> its last slab's anchor (_attach)
+        # whether this process named itself sole reader here: records may then send its
+        # memory back to it without fds, which names_own looks for
+        self._names = [False]
         # the ring's fds close with the channel (its sockets are its owner's to close);
-        # anchors still in flight keep the ring until their records are taken
+        # anchors still in flight keep the ring until their records are taken, and so do
+        # records that send this process's memory back to it (names_own)
         self._close = weakref.finalize(self, _closed, ring, self._pending, self._keep,
-                                       self._old, self._hot)
+                                       self._old, self._hot, self._names)
         self._close.atexit = False  # a daemon feeder may still be sending at exit
         # whether records tick once someone waits on the fd (see wait_fd): set by the
         # owner in every process that has the channel (a SimpleQueue's are; a Queue's not)
@@ -254,7 +270,11 @@ class Channel:
         keeps them), and each later one names it.  Its anchor (``ctx.keep``) is
         then kept here until the reader took the record, and so holds the memory
         meanwhile.  The caller releases ``ctx`` after, as after :meth:`send`, and calls
-        :meth:`prune` before it pickles."""
+        :meth:`prune` before it pickles.  A one-array message of memory another process
+        made (``ctx.forward``) goes without fds where that process is the sole reader
+        (:meth:`_send_back`)."""
+        if ctx.forward is not None and self._send_back(data, ctx, block, timeout):
+            return
         handle = ctx.handle
         if handle is None or len(data) > SIDE_MAX:
             self.send(data, ctx.wire_fds(), block, timeout)
@@ -297,6 +317,44 @@ class Channel:
                 at[seg_ino] = number
         ring.put(_ANN + _ANN_HEAD.pack(tag, *inos, seg_fd, ring.index, own > 0), block,
                  timeout, hook=side)
+
+    def _send_back(self, data: bytes, ctx: SendContext, block: bool,
+                   timeout: float | None) -> bool:
+        """Send a received array back to the process that made its memory, while that
+        process is the channel's sole reader (its maker word names the memory's lease
+        table), as a record without fds (``_FWD``) that names the memory's slot; False
+        (nothing sent) otherwise.  Nothing here holds the memory in flight, so this
+        process may exit right after: the maker reuses none of its memory that a record
+        not yet taken names (:func:`names_own`), and holds it as it takes the record.
+        The record also carries this process's fds of the memory, through which another
+        reader (the channel's readers changed meanwhile) holds it, as for a record of an
+        earlier generation."""
+        if self._pid != os.getpid():
+            self._forked()
+        ring, user, lane = self.ring, cast(memoryview, self.ring.user), cast(LaneContext, ctx)
+        w = user[_READER]
+        maker = _tag(lane.table_id)
+        word = (w >> 48) << 48 | maker
+        if not w & _PID or user[_MAKER] != word:
+            return False
+        seg_fd, seg_ino, shard_fd, shard_ino, _ = ctx.forward  # type: ignore[misc]
+        record = b"".join((_FWD, _FWD_HEAD.pack(maker, lane.slot),
+                           _HELD_HEAD.pack(self._pid, seg_fd, seg_ino, shard_fd, shard_ino, w),
+                           data))
+        if len(record) > ring.payload_max:
+            return False
+        tick = self._ticker(block, timeout) if self.waitable else None
+
+        def back(number: int) -> None:  # under the writers' lock: the reader is the same
+            if user[_READER] != w or user[_MAKER] != word:
+                raise _Unknown
+            if tick is not None:
+                tick(number)
+        try:
+            ring.put(record, block, timeout, hook=back)
+        except _Unknown:
+            return False
+        return True
 
     def _nameable(self, ino: int, w: int, size: int) -> bool:
         """Whether a message of a segment of its own (not a slab) of ``size`` bytes may go
@@ -470,11 +528,11 @@ class Channel:
         if self._old:
             self._drop_old(number)
         kind = data[:1]
-        if kind == _INLINE or kind == _HELD:
+        if kind == _INLINE or kind == _HELD or kind == _FWD:
             if self.waitable and cast(memoryview, self.ring.user)[_WAITED]:
                 self._take_tick(number)
             taken.append((number, scm_rights.Frame(data[1:], []) if kind == _INLINE
-                          else self._held(number, data)))
+                          else self._held(number, data, kind == _FWD)))
             return
         if len(data) < 1 + _TAG.size:  # malformed (not a writer's of this channel): lost
             taken.append((number, _lost()))
@@ -510,10 +568,20 @@ class Channel:
         else:
             new = w  # several already
         if new != w:
-            user[_READER] = new
+            self._name_reader(new)
         if self._mine and new != self._mine:
             self._retire()
         self._mine = new if new & _PID else 0
+        if self._mine:
+            self._names[0] = True
+
+    def _name_reader(self, new: int) -> None:
+        """Store the reader word ``new`` (under the readers' lock), its maker word first:
+        this process's tag where the word names it, a writer that reads both words
+        seeing the same generation in each reads one reader's."""
+        user = cast(memoryview, self.ring.user)
+        user[_MAKER] = (new >> 48) << 48 | _tag(process_tag()) if new & _PID else 0
+        user[_READER] = new
 
     def _retire(self) -> None:
         """What this reader kept becomes old: records up to the tail may name it."""
@@ -602,9 +670,9 @@ class Channel:
                 _consume(map(keep.__setitem__, (seg_ino,), map(os.dup, (fds[0],))))
             except OSError:  # a new generation (writers announce again), kept from empty
                 self._retire()
-                user = cast(memoryview, self.ring.user)
-                user[_READER] = self._mine = _word(user[_READER], self.ring.index,
-                                                   os.getpid())
+                self._mine = _word(cast(memoryview, self.ring.user)[_READER],
+                                   self.ring.index, os.getpid())
+                self._name_reader(self._mine)
                 return frame, []
         return self._attach(number, tag >> 32, frame.data, lambda: fds[0],
                             lambda: fds[-1]), fds
@@ -625,18 +693,20 @@ class Channel:
                 or 0 <= index < MAX_PROCS and not self.ring.alive(index))
         self._origin[ino] = (pid if seen else 0, fd_no, size, index)
 
-    def _held(self, number: int, data: bytes) -> scm_rights.Frame:
-        """The frame of a record without fds: its memory attached and held here (before
-        ``head`` moves past it), from the files this process keeps, or else opened
-        through its writer's or its sole reader's fds.  An error (but one a signal handler
-        raised, which leaves the record for the next receive) is the frame's, raised as
-        it is taken: the message is lost, and the error says why."""
+    def _held(self, number: int, data: bytes, back: bool) -> scm_rights.Frame:
+        """The frame of a record without fds (``back``: one that sends memory back to
+        its maker, which has it): its memory attached and held here (before ``head``
+        moves past it), from the files this process keeps, or else opened through its
+        writer's or its sole reader's fds.  An error (but one a signal handler raised,
+        which leaves the record for the next receive) is the frame's, raised as it is
+        taken: the message is lost, and the error says why."""
         opened: list[int] = []
+        at = 1 + _FWD_HEAD.size if back else 1
         try:
-            if len(data) < 1 + _HELD_HEAD.size:
+            if len(data) < at + _HELD_HEAD.size:
                 return _Held(b"", None, None, OSError(errno.EBADMSG, "a malformed record"))
-            pid, seg_no, seg_ino, shard_no, shard_ino, w = _HELD_HEAD.unpack_from(data, 1)
-            return self._attach(number, pid, data[1 + _HELD_HEAD.size:],
+            pid, seg_no, seg_ino, shard_no, shard_ino, w = _HELD_HEAD.unpack_from(data, at)
+            return self._attach(number, pid, data[at + _HELD_HEAD.size:],
                                 lambda: self._kept(seg_ino, pid, seg_no, w, opened),
                                 lambda: self._kept(shard_ino, pid, shard_no, w, opened))
         finally:
@@ -855,6 +925,7 @@ class Channel:
         self._once.clear()
         self._announced_at.clear()
         self._pending.clear()  # this process's copies of the parent's anchors
+        self._names[0] = False
         self.sweeping = False
         self._closing = threading.RLock()
         self._reset()
@@ -935,6 +1006,36 @@ def _word(w: int, index: int, pid: int) -> int:
     return ((w >> 48) + 1 & 0xFFFF or 1) << 48 | index << 32 | pid
 
 
+@functools.lru_cache(maxsize=256)
+def _tag(table_id: str) -> int:
+    """48 bits that stand for a lease table's id in the ring (the maker word, _FWD)."""
+    return int.from_bytes(hashlib.blake2b(table_id.encode(), digest_size=6).digest(), "little")
+
+
+def names_own(table_id: str, slot: int) -> bool | None:
+    """Whether a record not yet taken sends ``slot`` of this process's lease table
+    ``table_id`` back to it (``_FWD``): nothing else holds that memory in flight, so it
+    is neither reused nor destroyed meanwhile (``_segments.namers``).  None where no
+    ring can have such a record: this process never named itself a sole reader."""
+    with _channels_lock:
+        rings = [c.ring for c in _channels if c._names[0]]
+    rings += [ring for ring, _ in list(_lingering)]
+    if not rings:
+        return None
+    want = (_tag(table_id), slot)
+    for ring in rings:
+        try:
+            head, tail = ring.head, ring.tail
+            for number in range(head, tail):
+                rec = ring.peek(number, 1 + _FWD_HEAD.size)
+                if (rec is not None and rec[:1] == _FWD and len(rec) == 1 + _FWD_HEAD.size
+                        and _FWD_HEAD.unpack_from(rec, 1) == want):
+                    return True
+        except ValueError:  # closed meanwhile: its records were taken, or nobody else has it
+            continue
+    return False
+
+
 def _is_file(path: str, dev: int, ino: int, denied: bool = False) -> bool:
     """Whether ``path`` (a /proc fd link) is the file (``dev``, ``ino``); ``denied`` where
     this process may not look (its process made itself undumpable), which says neither."""
@@ -986,6 +1087,7 @@ def _after_fork() -> None:
         if channel._pid != os.getpid():
             _let_go(channel._keep, channel._old)
             channel._origin.clear()
+            channel._names[0] = False
 
 
 os.register_at_fork(after_in_child=_after_fork)
@@ -1016,11 +1118,18 @@ def sweep_all() -> bool:
 
 
 def _closed(ring: Ring, pending: collections.deque[tuple[int, object]], keep: dict[int, int],
-            old: list[tuple[int, dict[int, int]]], hot: dict[int, object]) -> None:
+            old: list[tuple[int, dict[int, int]]], hot: dict[int, object],
+            names: list[bool]) -> None:
     """A channel's end in this process: what it kept closed; anchors of records not yet
-    taken wait in ``_lingering`` with the ring (see _prune)."""
+    taken wait in ``_lingering`` with the ring (see _prune), and so does a ring whose
+    records not yet taken may send this process's memory back to it (names_own)."""
     hot.clear()
     _let_go(keep, old)
+    if names[0]:
+        try:
+            pending.append((ring.tail - 1, None))  # kept until head passes the last
+        except (OSError, ValueError):  # closed already
+            pass
     if pending:
         try:
             head = ring.head

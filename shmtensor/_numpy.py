@@ -171,7 +171,8 @@ def lane_dumps(a: np.ndarray) -> tuple[bytes, _wire.SendContext] | None:
     _stats.bump("arrays_sent_shared")
     return (NUMPY_LANE + pickle.dumps(fields, pickle.HIGHEST_PROTOCOL),
             LaneContext(anchor, seg.fd if seg.kind == FD else None, seg.table_id, seg.slot,
-                        _handle(seg) if seg.own and seg.kind == FD else None))
+                        _handle(seg) if seg.own and seg.kind == FD else None,
+                        None if seg.own or seg.kind != FD else _forward(seg)))
 
 
 def _handle(seg: Segment) -> tuple[int, int, int, int, int] | None:
@@ -191,9 +192,19 @@ def _handle(seg: Segment) -> tuple[int, int, int, int, int] | None:
     return fd, seg.ino, shard_fd, shard_ino, 0 if seg.slab else seg.size
 
 
+def _forward(seg: Segment) -> tuple[int, int, int, int, int]:
+    """A received memfd's (fd, inode, description of its lease file, its inode, 0), -1
+    and 0 where this process has none: see ``LaneContext.forward``."""
+    fd = -1 if seg.fd is None else seg.fd
+    if fd >= 0 and not seg.ino:
+        seg.ino = os.fstat(fd).st_ino
+    return (fd, seg.ino, *ofd_lease.holder(seg.table_id, seg.slot), 0)
+
+
 # a record without fds keeps its array's anchor until taken: let go of those taken before
-# a segment is chosen, so that one is reused; and a reader that stops calling get lets go
-# of what it kept for memory its writers freed, on the sweeper thread's passes
+# a segment is chosen, so that one is reused; a reader that stops calling get lets go of
+# what it kept for memory its writers freed, on the sweeper thread's passes; and memory
+# sent back to this process without fds stays while its record waits
 def _prune_channels() -> None:
     _channel.prune_all()
 
@@ -202,9 +213,14 @@ def _sweep_channels() -> bool:
     return _channel.sweep_all()
 
 
+def _names_own(table_id: str, slot: int) -> bool | None:
+    return _channel.names_own(table_id, slot)
+
+
 # (looked up when called: this adapter may be installed while _channel is being imported)
 _segments.releasers.append(_prune_channels)
 _segments.sweepers.append(_sweep_channels)
+_segments.namers.append(_names_own)
 
 
 def held_attach(data: Payload, seg_fd: Callable[[], int],

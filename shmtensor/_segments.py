@@ -463,6 +463,27 @@ releasers: list[Callable[[], None]] = []
 # keeps the thread going when nothing is mapped (a queue's reader keeping memfds of memory
 # it no longer maps)
 sweepers: list[Callable[[], bool]] = []
+# what tells whether a message not yet taken names a slot of this process's lease table
+# that nothing else then holds (a received array a channel sends back to its maker without
+# fds): True, False, or None where no message can (see held_anywhere)
+namers: list[Callable[[str, int], bool | None]] = []
+
+
+def held_anywhere(table: ofd_lease.LeaseTable, slot: int) -> bool:
+    """Whether an own segment's ``slot`` is held by any process, or named by a message not
+    yet taken (:data:`namers`): then it is neither reused nor destroyed.  The locks are
+    probed again after the namers looked: a message taken meanwhile was held by its reader
+    before it left its channel (and the first probe saw any writer's hold of a message
+    that was not yet written)."""
+    if table.is_held(slot):
+        return True
+    looked = False
+    for named in namers:
+        found = named(table.id, slot)
+        if found:
+            return True
+        looked = looked or found is not None
+    return looked and table.is_held(slot)
 
 
 def _release_held() -> None:
@@ -498,7 +519,7 @@ def _reuse(need: int, kind: str, table: ofd_lease.LeaseTable) -> Segment | None:
             if not _fits(seg.size, need) or bucket.get(seg.key) is not seg:
                 continue
             probed += 1
-            if not table.is_held(seg.slot):
+            if not held_anywhere(table, seg.slot):
                 _own_idle_drop(seg)
                 _stats.bump("segments_recycled")
                 return seg
@@ -610,7 +631,7 @@ def _next_slab(nbytes: int, kind: str) -> Segment:
             held += seg.size
             continue
         probes += 1
-        if table.is_held(seg.slot):
+        if held_anywhere(table, seg.slot):
             held += seg.size
         else:
             free.append(seg)
@@ -741,7 +762,7 @@ def trim(force: bool = False) -> int:
                     continue
                 if table is None:  # an own segment went idle since the test above
                     table = ofd_lease.own_table()
-                if table.is_held(seg.slot):
+                if held_anywhere(table, seg.slot):
                     idle.move_to_end(seg.key)  # held elsewhere: let the next pass reach others
                     next_due = min(next_due, now + _RETRIM_SECONDS)
                     continue

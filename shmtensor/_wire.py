@@ -40,6 +40,7 @@ class SendContext:
     __slots__ = ("fds", "owned", "keep", "inflight", "memo", "__weakref__")
 
     handle: tuple[int, int, int, int, int] | None = None  # see LaneContext
+    forward: tuple[int, int, int, int, int] | None = None  # see LaneContext
 
     def __init__(self) -> None:
         self.fds: list[int] = []
@@ -99,16 +100,22 @@ class LaneContext(SendContext):
     inode, 0) for memory in no file (a CUDA IPC allocation, which the payload's handle
     names), by which a channel may send the message without fds to a reader that has them
     (``_channel.Channel.post``); ``keep`` is then the anchor that holds the memory until
-    that reader holds it."""
+    that reader holds it.
 
-    __slots__ = ("table_id", "slot", "handle")
+    ``forward``: for memory another process made, which this one received and sends on,
+    the same 5 fields (this process's fds of the memfd and of a description of the lease
+    file, -1 where it has none), by which a channel whose sole reader is the memory's
+    maker sends it back without fds (see ``Channel.post``)."""
+
+    __slots__ = ("table_id", "slot", "handle", "forward")
 
     def __init__(self, keep: object, fd: int | None, table_id: str, slot: int,
-                 handle: tuple[int, int, int, int, int] | None = None) -> None:
+                 handle: tuple[int, int, int, int, int] | None = None,
+                 forward: tuple[int, int, int, int, int] | None = None) -> None:
         self.keep = [keep]
         self.fds = [-1] if fd is None else [fd, -1]
         self.owned = []
-        self.table_id, self.slot, self.handle = table_id, slot, handle
+        self.table_id, self.slot, self.handle, self.forward = table_id, slot, handle, forward
 
     def wire_fds(self) -> list[int]:
         fds = self.fds

@@ -29,9 +29,9 @@ def counted(monkeypatch):
     calls = [0]
     real = _channel.Channel._held
 
-    def held(self, number, data):
+    def held(self, number, data, back):
         calls[0] += 1
-        return real(self, number, data)
+        return real(self, number, data, back)
     monkeypatch.setattr(_channel.Channel, "_held", held)
     return calls
 

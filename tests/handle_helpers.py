@@ -184,3 +184,13 @@ def put_again_then_free(q, n, took, done, out):
     q.close()
     q.join_thread()
 
+
+
+def take_and_report(q, results, n):
+    """Take ``n`` arrays from ``q`` (a second reader of it) and put each one's first
+    item and whether all its items are that on ``results``."""
+    for _ in range(n):
+        a = q.get(timeout=60)
+        results.put((int(a[0]), bool((a == a[0]).all())))
+    results.close()
+    results.join_thread()

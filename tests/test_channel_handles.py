@@ -7,6 +7,7 @@ says why, the queue going on."""
 
 from __future__ import annotations
 
+import collections
 import os
 import pickle
 import queue
@@ -23,8 +24,8 @@ from shmtensor import _channel
 from conftest import JOIN, join_all
 from handle_helpers import (OWN, echo, put_after_first, put_again, put_again_then_free,
                             put_and_free, put_fresh, put_many, put_six, stream_and_count_slabs,
-                            take_all, take_first_then_rest, take_two_and_wait,
-                            three_then_none)
+                            take_all, take_and_report, take_first_then_rest,
+                            take_two_and_wait, three_then_none)
 
 
 def _fds() -> set[str]:
@@ -367,12 +368,14 @@ def _address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
 
-def test_an_array_sent_back_to_its_maker_is_its_own_memory(lc):
-    # A received array goes on with its fds (its sender's hold is all that keeps the
-    # memory: see the next test), and comes back to its maker as the memory it sent.
+def test_an_array_sent_back_to_its_maker_is_its_own_memory(lc, counted):
+    # A received array comes back to its maker, the queue's sole reader, as the memory
+    # it sent, in a record without fds (nothing of the sender holds it in flight: see the
+    # next test).
     n = 200
     out, back, p = _echoing(n)
     fds = None
+    took = counted[0]
     for i in range(n):
         a = shmtensor.full((256,), i, dtype=np.int64)
         out.put(a)
@@ -381,6 +384,7 @@ def test_an_array_sent_back_to_its_maker_is_its_own_memory(lc):
         fds = fds or _fds()
         del a, b
     assert _fds() == fds
+    assert counted[0] - took == n
     join_all(p)
     assert p.exitcode == 0
     out.close()
@@ -389,9 +393,9 @@ def test_an_array_sent_back_to_its_maker_is_its_own_memory(lc):
 
 def test_an_array_sent_back_by_a_process_killed_at_once_arrives_whole(lc):
     # The child sends the array back and is killed; its maker lets go of it and carves
-    # and drops arrays enough to cycle through slabs before it takes the message: the
-    # message still holds its memory (its in-flight lease description), so the slab is
-    # never reused under it.
+    # and drops arrays enough to cycle through slabs before it takes the message: nothing
+    # holds the memory but the record naming it, and its maker reuses no slab that a
+    # record not yet taken names.
     out, back, p = _echoing(1, die=True)
     a = shmtensor.full((256,), 7, dtype=np.int64)
     out.put(a)
@@ -407,6 +411,52 @@ def test_an_array_sent_back_by_a_process_killed_at_once_arrives_whole(lc):
     del b
     back.put("after")
     assert back.get(timeout=JOIN) == "after"
+    out.close()
+    back.close()
+
+
+def test_arrays_sent_back_to_their_maker_reach_a_second_reader_whole(lc):
+    # The child sends three arrays back to their maker, the sole reader, and exits; the
+    # maker lets go of them, cycles its slabs, and a second reader takes the records: it
+    # holds the memory through the maker's fds (the writer is gone), which reused none.
+    out, back, p = _echoing(3)
+    for i in (1, 2, 3):
+        out.put(shmtensor.full((256,), i, dtype=np.int64))
+    join_all(p)
+    assert p.exitcode == 0
+    out.put(None)  # lets go of what this process kept of its records on ``out``
+    recycled = shmtensor.debug_info()["segments"]["recycled"]
+    kept = collections.deque(maxlen=40)  # more than a slab's worth: the full one stays held
+    for _ in range(500):
+        kept.append(shmtensor.full(60_000, 1, dtype=np.uint8))
+    kept.clear()
+    assert shmtensor.debug_info()["segments"]["recycled"] > recycled  # slabs did cycle
+    ctx = smp.get_context("spawn")
+    results = ctx.Queue()
+    r = ctx.Process(target=take_and_report, args=(back, results, 3))
+    r.start()
+    assert [results.get(timeout=JOIN) for _ in range(3)] == [(1, True), (2, True), (3, True)]
+    join_all(r)
+    assert r.exitcode == 0
+    out.close()
+    back.close()
+    results.close()
+
+
+def test_a_one_slot_batch_pool_goes_to_an_echo_and_back_again_and_again(lc):
+    # Nothing of the echo keeps the slot once it sent it back: the maker acquires it again.
+    out, back, p = _echoing(50)
+    with shmtensor.BatchPool((64,), np.int64, slots=1) as pool:
+        for i in range(50):
+            a = pool.acquire(timeout=JOIN)
+            a[...] = i
+            out.put(a)
+            del a
+            b = back.get(timeout=JOIN)
+            assert (b == i).all()
+            del b
+    join_all(p)
+    assert p.exitcode == 0
     out.close()
     back.close()
 
