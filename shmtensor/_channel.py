@@ -82,6 +82,8 @@ _PID = 0xFFFFFFFF
 # generation (16 bits) and the tag of its table's id (48 bits), or 0 while the reader word
 # names no sole reader.  Stored just before the reader word, as readers store it.
 _MAKER = 4
+_TAG_MASK = (1 << 48) - 1
+_UNSYNCED = 1 << 62  # see _sent_back_until
 _ANNOUNCED_MAX = 1024  # what a writer remembers having announced, per channel
 _HOT_MAX = 64  # writers whose last slab a reader keeps held while records wait
 _KEEP_FILES = 64  # files a sole reader keeps per channel (see _keep_max for the process)
@@ -572,8 +574,11 @@ class Channel:
         if self._mine and new != self._mine:
             self._retire()
         self._mine = new if new & _PID else 0
-        if self._mine:
+        if self._mine and not self._names[0]:
             self._names[0] = True
+            with _scans_lock:
+                if id(self.ring) not in _scans:
+                    _scans[id(self.ring)] = _Scanned(self.ring)
 
     def _name_reader(self, new: int) -> None:
         """Store the reader word ``new`` (under the readers' lock), its maker word first:
@@ -1012,28 +1017,58 @@ def _tag(table_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(table_id.encode(), digest_size=6).digest(), "little")
 
 
+class _Scanned:
+    """What :func:`names_own` saw of one ring: every record below ``upto``, and of those
+    not yet taken, the ones that send memory back to a maker (number -> (tag, slot))."""
+
+    __slots__ = ("ring", "upto", "found")
+
+    def __init__(self, ring: Ring) -> None:
+        self.ring, self.upto = ring, 0
+        self.found: dict[int, tuple[int, int]] = {}
+
+    def update(self) -> None:
+        """Look at the records written since, and forget those taken."""
+        ring, found = self.ring, self.found
+        tail = ring.tail
+        if tail == self.upto and not found:
+            return
+        head = ring.head
+        for number in [n for n in found if n < head]:
+            del found[number]
+        for number in range(max(head, self.upto), tail):
+            rec = ring.peek(number, 1 + _FWD_HEAD.size)
+            if rec is not None and rec[:1] == _FWD and len(rec) == 1 + _FWD_HEAD.size:
+                found[number] = _FWD_HEAD.unpack_from(rec, 1)
+        self.upto = max(self.upto, tail)
+
+
+# the rings where this process named itself sole reader, by id (the entry keeps the ring),
+# until names_own finds one closed (a closing channel's lingers while records may send
+# this process's memory back: see _sent_back_until)
+_scans: dict[int, _Scanned] = {}
+_scans_lock = threading.Lock()
+
+
 def names_own(table_id: str, slot: int) -> bool | None:
     """Whether a record not yet taken sends ``slot`` of this process's lease table
     ``table_id`` back to it (``_FWD``): nothing else holds that memory in flight, so it
-    is neither reused nor destroyed meanwhile (``_segments.namers``).  None where no
-    ring can have such a record: this process never named itself a sole reader."""
-    with _channels_lock:
-        rings = [c.ring for c in _channels if c._names[0]]
-    rings += [ring for ring, _ in list(_lingering)]
-    if not rings:
+    is neither reused nor destroyed meanwhile (``_segments.namers``).  It looks at the
+    rings where this process named itself sole reader (each record once: see
+    ``_Scanned``).  None where there is no such ring."""
+    if not _scans:
         return None
     want = (_tag(table_id), slot)
-    for ring in rings:
-        try:
-            head, tail = ring.head, ring.tail
-            for number in range(head, tail):
-                rec = ring.peek(number, 1 + _FWD_HEAD.size)
-                if (rec is not None and rec[:1] == _FWD and len(rec) == 1 + _FWD_HEAD.size
-                        and _FWD_HEAD.unpack_from(rec, 1) == want):
-                    return True
-        except ValueError:  # closed meanwhile: its records were taken, or nobody else has it
-            continue
-    return False
+    named = False
+    with _scans_lock:
+        for key, scan in list(_scans.items()):
+            try:
+                scan.update()
+            except ValueError:  # closed: its records were taken, or nobody else has it
+                del _scans[key]
+                continue
+            named = named or want in scan.found.values()
+    return named
 
 
 def _is_file(path: str, dev: int, ino: int, denied: bool = False) -> bool:
@@ -1081,8 +1116,10 @@ def _after_fork() -> None:
     through the description the child shares with the parent, before ``ofd_lease`` gives
     the child descriptions of its own, and so drop the parent's lock.  The rest goes at
     the copy's first use (:meth:`Channel._forked`)."""
-    global _channels_lock
+    global _channels_lock, _scans_lock
     _channels_lock = threading.Lock()  # another thread may have held it across the fork
+    _scans_lock = threading.Lock()
+    _scans.clear()  # the parent's
     for channel in list(_channels):
         if channel._pid != os.getpid():
             _let_go(channel._keep, channel._old)
@@ -1127,7 +1164,9 @@ def _closed(ring: Ring, pending: collections.deque[tuple[int, object]], keep: di
     _let_go(keep, old)
     if names[0]:
         try:
-            pending.append((ring.tail - 1, None))  # kept until head passes the last
+            last = _sent_back_until(ring)
+            if last >= 0:
+                pending.append((last, None))  # the ring lingers until head passes it
         except (OSError, ValueError):  # closed already
             pass
     if pending:
@@ -1142,6 +1181,31 @@ def _closed(ring: Ring, pending: collections.deque[tuple[int, object]], keep: di
             pass
         pending.clear()
     ring.close()
+
+
+def _sent_back_until(ring: Ring) -> int:
+    """As a channel that named this process sole reader closes: the number of the last
+    record not yet taken that sends this process's memory back to it (names_own keeps
+    looking at the ring until ``head`` passes it), or -1.  The maker word stops naming
+    this process first, and every write begun before is then made whole (the writers'
+    lock, taken without waiting: ``_UNSYNCED`` while a writer holds it, for a later
+    ``_prune`` to ask again)."""
+    user = cast(memoryview, ring.user)
+    mine = _tag(process_tag())
+    if user[_MAKER] & _TAG_MASK == mine:
+        user[_MAKER] = 0
+    tail: list[int] = []
+    try:
+        ring.sync_writers(0, lambda: tail.append(ring.tail))
+    except TimeoutError:
+        return _UNSYNCED
+    last = -1
+    for number in range(ring.head, tail[0]):
+        rec = ring.peek(number, 1 + _FWD_HEAD.size)
+        if (rec is not None and rec[:1] == _FWD and len(rec) == 1 + _FWD_HEAD.size
+                and _FWD_HEAD.unpack_from(rec, 1)[0] == mine):
+            last = number
+    return last
 
 
 def _let_go(keep: dict[int, int], old: list[tuple[int, dict[int, int]]]) -> None:
@@ -1163,6 +1227,8 @@ def _prune(pending: collections.deque[tuple[int, object]], head: int) -> None:
             pending.popleft()
         for entry in _lingering[:]:
             ring, kept = entry
+            if kept and kept[-1][0] == _UNSYNCED:
+                kept[-1] = (_sent_back_until(ring), None)
             head = ring.head
             while kept and kept[0][0] < head:
                 kept.popleft()

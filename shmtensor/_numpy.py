@@ -172,7 +172,8 @@ def lane_dumps(a: np.ndarray) -> tuple[bytes, _wire.SendContext] | None:
     return (NUMPY_LANE + pickle.dumps(fields, pickle.HIGHEST_PROTOCOL),
             LaneContext(anchor, seg.fd if seg.kind == FD else None, seg.table_id, seg.slot,
                         _handle(seg) if seg.own and seg.kind == FD else None,
-                        None if seg.own or seg.kind != FD else _forward(seg)))
+                        None if seg.own or seg.kind != FD or a.nbytes > _segments.SLAB_ITEM_MAX
+                        else _forward(seg)))
 
 
 def _handle(seg: Segment) -> tuple[int, int, int, int, int] | None:
@@ -194,7 +195,10 @@ def _handle(seg: Segment) -> tuple[int, int, int, int, int] | None:
 
 def _forward(seg: Segment) -> tuple[int, int, int, int, int]:
     """A received memfd's (fd, inode, description of its lease file, its inode, 0), -1
-    and 0 where this process has none: see ``LaneContext.forward``."""
+    and 0 where this process has none: see ``LaneContext.forward``.  Only for arrays a
+    slab may hold (up to ``SLAB_ITEM_MAX``): one sent back without fds that its maker never
+    takes reaches another reader only while the maker, or this process, still has the
+    memory, and a larger one gains little by going without fds."""
     fd = -1 if seg.fd is None else seg.fd
     if fd >= 0 and not seg.ino:
         seg.ino = os.fstat(fd).st_ino
@@ -379,6 +383,8 @@ def _rebuild_array(anchor: np.ndarray, offset: int, shape: tuple[int, ...],
     (a plain array, not a shared one) is a value: where the channel keeps values (a
     manager's server), it becomes a private copy, so that what the server hands out later
     is copied again, as the stdlib's manager does, and never a view two readers write."""
+    if offset < 0:  # numpy checks the end of the view only
+        raise ValueError(f"a shared array at offset {offset} of its memory: a corrupt message")
     a: np.ndarray = np.ndarray(shape, np.dtype(dtype), buffer=anchor, offset=offset,
                                strides=strides)
     if copied and _wire.private_values():

@@ -11,6 +11,7 @@ so the core and the CUDA code import it without importing each other.
 
 from __future__ import annotations
 
+import math
 import pickle
 import threading
 from collections.abc import Hashable
@@ -222,6 +223,28 @@ def lane_fields(data: Payload, fds: list[int], want: int, what: str) -> tuple[An
     if len(fds) != want:
         raise pickle.UnpicklingError(f"{what} came with {len(fds)} fds, not {want}")
     return cast("tuple[Any, ...]", pickle.loads(memoryview(data)[2:]))
+
+
+def check_view(offset: int, shape: tuple[int, ...], strides: tuple[int, ...] | None,
+               itemsize: int, size: int) -> None:
+    """``ValueError`` unless a received view (``strides`` None: C order) lies within the
+    ``size`` bytes of its memory: a corrupt or hostile message could name one outside it,
+    which CuPy never checks (nor numpy a negative offset)."""
+    if strides is None:
+        strides = tuple(itemsize * math.prod(shape[i + 1:]) for i in range(len(shape)))
+    lo = hi = offset
+    if all(n > 0 for n in shape):
+        for n, stride in zip(shape, strides):
+            if stride < 0:
+                lo += stride * (n - 1)
+            else:
+                hi += stride * (n - 1)
+        hi += itemsize
+    if (offset < 0 or lo < 0 or hi > size or len(strides) != len(shape)
+            or any(n < 0 for n in shape)):
+        raise ValueError(f"a received array (offset {offset}, shape {shape}, strides "
+                         f"{strides}) lies outside its memory of {size} bytes: a corrupt "
+                         "message")
 
 
 def received_fd(i: int) -> int:

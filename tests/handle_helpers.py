@@ -186,11 +186,26 @@ def put_again_then_free(q, n, took, done, out):
 
 
 
-def take_and_report(q, results, n):
-    """Take ``n`` arrays from ``q`` (a second reader of it) and put each one's first
-    item and whether all its items are that on ``results``."""
+def take_and_report(q, results, n, go=None):
+    """Take ``n`` arrays from ``q`` (a second reader of it; once ``go`` is set, if given)
+    and put each one's first item and whether all its items are that on ``results``."""
+    if go is not None:
+        go.wait(60)
     for _ in range(n):
         a = q.get(timeout=60)
         results.put((int(a[0]), bool((a == a[0]).all())))
     results.close()
     results.join_thread()
+
+
+def echo_later(inbox, outbox, go, n):
+    """Send back the first array taken from ``inbox`` at once, then take ``n`` more and
+    send them back only once ``go`` is set."""
+    outbox.put(inbox.get(timeout=60))
+    held = [inbox.get(timeout=60) for _ in range(n)]
+    go.wait(60)
+    for a in held:
+        outbox.put(a)
+    del held, a
+    outbox.close()
+    getattr(outbox, "join_thread", lambda: None)()

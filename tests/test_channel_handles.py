@@ -8,6 +8,7 @@ says why, the queue going on."""
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import pickle
 import queue
@@ -22,8 +23,9 @@ import shmtensor.multiprocessing as smp
 from shmtensor import _channel
 
 from conftest import JOIN, join_all
-from handle_helpers import (OWN, echo, put_after_first, put_again, put_again_then_free,
-                            put_and_free, put_fresh, put_many, put_six, stream_and_count_slabs,
+from handle_helpers import (OWN, echo, echo_later, put_after_first, put_again,
+                            put_again_then_free, put_and_free, put_fresh, put_many, put_six,
+                            stream_and_count_slabs,
                             take_all, take_and_report, take_first_then_rest,
                             take_two_and_wait, three_then_none)
 
@@ -167,19 +169,25 @@ def test_a_record_naming_memory_it_cannot_find_is_lost_once_with_an_error(lc):
     q.close()
 
 
-def test_a_record_naming_a_view_its_memory_cannot_have_is_lost_once(lc):
+@pytest.mark.parametrize("kind", ["H", "F"])
+@pytest.mark.parametrize("where", ["past its end", "before it"])
+def test_a_record_naming_a_view_its_memory_cannot_have_is_lost_once(lc, kind, where):
     # a peer's record naming this process's own slab (so it attaches) with a view past
-    # its end: lost once with an OSError, then the queue goes on
+    # its end or before its start (which numpy accepts): lost once with an OSError, then
+    # the queue goes on; as a record without fds, or one sending the memory back
     from shmtensor import _segments
     from shmtensor._reductions import NUMPY_LANE
     q = smp.get_context("fork").Queue()
     a = shmtensor.full((256,), 5, dtype=np.int64)
     seg = _segments.segment_of(a)
     head = _channel._HELD_HEAD.pack(os.getpid(), 0, 1, 0, 1, 0)
+    if kind == "F":
+        head = (_channel._FWD_HEAD.pack(_channel._tag(seg.table_id), seg.slot) + head)
     handle = pickle.dumps((seg.key, seg.kind, seg.size, seg.table_id, seg.slot,
-                           seg.size - 8, (256,), None, "<i8", False))
+                           seg.size - 8 if where == "past its end" else -4096, (256,), None,
+                           "<i8", False))
     assert q._sem.acquire(False)
-    q._chan.ring.put(_channel._HELD + head + NUMPY_LANE + handle)
+    q._chan.ring.put(kind.encode() + head + NUMPY_LANE + handle)
     q.put("after")
     with pytest.raises(OSError, match="malformed"):
         q.get(timeout=JOIN)
@@ -441,6 +449,55 @@ def test_arrays_sent_back_to_their_maker_reach_a_second_reader_whole(lc):
     out.close()
     back.close()
     results.close()
+
+
+@pytest.mark.parametrize("kind", ["Queue", "SimpleQueue"])
+def test_arrays_sent_back_after_their_maker_closed_its_queue_reach_another_reader(lc, kind):
+    # The maker, sole reader of ``back``, closes and drops it; only then are its arrays
+    # sent back.  It recycles its slabs, and a second reader takes them whole: the maker
+    # no longer named itself reader, or looked at the records sent after it closed.
+    ctx = smp.get_context("spawn")
+    out, results, go, read = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    back = getattr(ctx, kind)()
+    p = ctx.Process(target=echo_later, args=(out, back, go, 3))
+    r = ctx.Process(target=take_and_report, args=(back, results, 3, read))
+    p.start()
+    r.start()
+    out.put(shmtensor.zeros(4))
+    assert back.get()[0] == 0  # the sole reader of ``back``
+    for i in (1, 2, 3):
+        out.put(shmtensor.full((256,), i, dtype=np.int64))
+    back.close()
+    del back
+    gc.collect()
+    go.set()
+    join_all(p)
+    assert p.exitcode == 0
+    out.put(None)  # lets go of what this process kept of its records on ``out``
+    kept = collections.deque(maxlen=40)
+    for _ in range(500):
+        kept.append(shmtensor.full(60_000, 1, dtype=np.uint8))
+    kept.clear()
+    read.set()
+    assert sorted(results.get(timeout=JOIN) for _ in range(3)) == [(1, True), (2, True),
+                                                                   (3, True)]
+    join_all(r)
+    assert r.exitcode == 0
+    out.close()
+    results.close()
+
+
+def test_arrays_over_a_slab_item_go_back_to_their_maker_with_fds(lc, counted):
+    out, back, p = _echoing(3)
+    took = counted[0]
+    for i in range(3):
+        out.put(shmtensor.full((1 << 18,), i, dtype=np.int64))  # 2 MiB
+        assert (back.get(timeout=JOIN) == i).all()
+    assert counted[0] == took
+    join_all(p)
+    assert p.exitcode == 0
+    out.close()
+    back.close()
 
 
 def test_a_one_slot_batch_pool_goes_to_an_echo_and_back_again_and_again(lc):
@@ -938,3 +995,14 @@ def test_a_kept_memfd_whose_writer_could_not_be_looked_at_goes_with_the_writer(
     assert _fds_of(ino) == 0
     q.close()
     ack.close()
+
+
+def test_a_view_is_checked_against_its_memory():
+    from shmtensor._wire import check_view
+    check_view(0, (4, 8), None, 8, 256)
+    check_view(248, (4, 8), (-64, -8), 8, 256)  # reversed both ways, ending at 0
+    check_view(256, (0,), None, 8, 256)
+    for bad in [(-8, (4,), None), (8, (4, 8), None), (0, (4, 8), (-64, 8)), (0, (-1,), None),
+                (0, (4,), (8, 8))]:
+        with pytest.raises(ValueError, match="outside its memory"):
+            check_view(*bad, 8, 256)

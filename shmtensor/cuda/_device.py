@@ -7,8 +7,9 @@ a process that had initialised CUDA (see :mod:`shmtensor.ipc.cuda_ipc`).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, cast
+from typing import Any, ContextManager, cast
 
 from shmtensor.ipc import cuda_ipc
 
@@ -34,6 +35,14 @@ def _import_cupy() -> Any:
                           "(CUDA 12) or 'shmtensor[cuda13]' (CUDA 13)") from e
     _cp = cp
     return cp
+
+
+def on(cp: Any, device: int) -> ContextManager[Any]:
+    """``device`` made current for a ``with`` block: nothing to do where it is already
+    (entering ``cp.cuda.Device`` costs driver calls even then)."""
+    if cp.cuda.runtime.getDevice() == device:
+        return contextlib.nullcontext()
+    return cast(ContextManager[Any], cp.cuda.Device(device))
 
 
 def local_device(cp: Any, bus_id: str) -> int:

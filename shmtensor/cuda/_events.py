@@ -86,6 +86,16 @@ def order_now(cp: Any, device: int, stream: Any) -> bytes | None:
     return handle
 
 
+def wait_sent(cp: Any, event_handle: bytes, deferred: _wire.Deferred | None) -> None:
+    """Make the current stream wait for the sender's ring event of a received array: once
+    per message and stream (a pickled message's arrays, ``deferred`` given, share it), or
+    at once (a one-array message, whose only wait this is)."""
+    if deferred is None:
+        stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
+    else:
+        wait(cp, event_handle)
+
+
 def wait(cp: Any, event_handle: bytes) -> None:
     """Make the current stream wait for a sender's ring event (the host does not wait);
     once per message and stream."""

@@ -286,9 +286,7 @@ def reduce_array(cp: Any, arr: Any, mem: Any, owner: object
                  ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """An array on memory from any allocator: its allocation's handle and its place in it."""
     device = arr.device.id
-    if cp.cuda.runtime.getDevice() == device:
-        return _reduce_array(cp, arr, mem, owner, device)
-    with cp.cuda.Device(device):
+    with _device.on(cp, device):
         return _reduce_array(cp, arr, mem, owner, device)
 
 
@@ -403,52 +401,53 @@ def _attach(cp: Any, handle: bytes, bus_id: str, size: int, offset: int,
             shape: tuple[int, ...], strides: tuple[int, ...] | None, dtype: str,
             table_id: str, slot: int, lease: int | list[int], deferred: _wire.Deferred | None,
             event_handle: bytes | None) -> Any:
-    """The one receive of an array on legacy IPC (a pickled message's and a lane's): its
-    chunk's own memory back in the process that exported it, else the array at ``offset``
-    of the mapping of ``handle``, owned by the use of chunk ``slot`` (made, and holding the
-    chunk, if none is alive), after the current stream waits for the sender's work.
+    """The one receive of an array on legacy IPC (a pickled message's and a lane's; a
+    record without fds takes the same two steps apart, see :func:`held_attach`): its
+    memory (:func:`_map`), then the array on it (:func:`_view`).
 
     ``lease`` and ``deferred`` are ``ofd_lease.hold``'s ``source`` and ``deferred``: the
     in-flight description of a pickled message, with ``deferred``, or a one-array message's
     fd list, that description last (kept as the hold, it leaves the list in the same step:
     the caller closes what is left)."""
+    mem, view = _map(cp, handle, bus_id, size, offset, shape, strides, dtype, table_id, slot,
+                     event_handle, functools.partial(ofd_lease.hold, table_id, slot, lease,
+                                                     deferred))
+    return _view(cp, mem, view, deferred)
+
+
+def _map(cp: Any, handle: bytes, bus_id: str, size: int, offset: int, shape: tuple[int, ...],
+         strides: tuple[int, ...] | None, dtype: str, table_id: str, slot: int,
+         event_handle: bytes | None, take: Callable[[], object]) -> tuple[Any, tuple[Any, ...]]:
+    """The memory of an array on legacy IPC, and the fields :func:`_view` makes the array
+    of: its chunk's own memory back in the process that exported it (its own work on it,
+    nothing to wait for), else the mapping of ``handle``, owned by the use of chunk
+    ``slot`` (made, and holding the chunk through ``take()``, if none is alive)."""
     _release.poll()
     device = _device.local_device(cp, bus_id)
-    home = _home(cp, table_id, slot, offset, shape, dtype, strides)
+    home = _home_memory(cp, table_id, slot)
     if home is not None:
-        return home
-    take = functools.partial(ofd_lease.hold, table_id, slot, lease, deferred)
-    if cp.cuda.runtime.getDevice() == device:
-        mem = _mapped(cp, device, handle, bus_id, size, table_id, slot, take)
-        if event_handle is not None:
-            _wait(cp, event_handle, deferred)
-    else:
-        with cp.cuda.Device(device):
-            mem = _mapped(cp, device, handle, bus_id, size, table_id, slot, take)
-            if event_handle is not None:
-                _wait(cp, event_handle, deferred)
+        return home, (offset, shape, strides, dtype, None, device)
+    with _device.on(cp, device):
+        return (_mapped(cp, device, handle, bus_id, size, table_id, slot, take),
+                (offset, shape, strides, dtype, event_handle, device))
+
+
+def _view(cp: Any, mem: Any, view: tuple[Any, ...], deferred: _wire.Deferred | None) -> Any:
+    """The array at its offset of ``mem``, once the current stream waits for the sender's
+    work: once per message and stream (a pickled message's arrays, ``deferred`` given,
+    share its event), or at once (a one-array message, whose only wait this is)."""
+    offset, shape, strides, dtype, event_handle, device = view
+    _wire.check_view(offset, shape, strides, _itemsize(dtype), mem.size)
+    if event_handle is not None:
+        with _device.on(cp, device):
+            _events.wait_sent(cp, event_handle, deferred)
     return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
 
 
-def _wait(cp: Any, event_handle: bytes, deferred: _wire.Deferred | None) -> None:
-    """Make the current stream wait for the sender's ring event: once per message and stream
-    (a pickled message's arrays, ``deferred`` given, share it), or at once (a one-array
-    message, whose only wait this is)."""
-    if deferred is None:
-        _events.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
-    else:
-        _events.wait(cp, event_handle)
-
-
-def _home(cp: Any, table_id: str, slot: int, offset: int, shape: tuple[int, ...],
-          dtype: str, strides: tuple[int, ...] | None) -> Any:
-    """The array of a message that came back to the process that exported its chunk (its
-    own memory, no IPC), or None.  The chunk's memory object is the owner, so CuPy's pool
-    cannot take it back under this array."""
-    mem = _home_memory(cp, table_id, slot)
-    if mem is None:
-        return None
-    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
+@functools.lru_cache(maxsize=64)
+def _itemsize(dtype: str) -> int:
+    import numpy
+    return numpy.dtype(dtype).itemsize
 
 
 def _home_memory(cp: Any, table_id: str, slot: int) -> Any:
@@ -548,18 +547,8 @@ def held_attach(data: _wire.Payload, memory_fd: Callable[[], int],
     has none; the memory is the handle's, so ``memory_fd`` is never asked for."""
     (handle, bus_id, size, offset, shape, strides, dtype, table_id, slot,
      event_handle) = pickle.loads(memoryview(data)[len(LANE):])
-    cp = _device.cupy()
-    _release.poll()
-    device = _device.local_device(cp, bus_id)
-    home = _home_memory(cp, table_id, slot)
-    if home is not None:  # its own memory, and its own work on it: no wait (see _attach)
-        return home, (offset, shape, strides, dtype, None, device)
-    view = (offset, shape, strides, dtype, event_handle, device)
-    take = functools.partial(_hold_named, table_id, slot, lease)
-    if cp.cuda.runtime.getDevice() == device:
-        return _mapped(cp, device, handle, bus_id, size, table_id, slot, take), view
-    with cp.cuda.Device(device):
-        return _mapped(cp, device, handle, bus_id, size, table_id, slot, take), view
+    return _map(_device.cupy(), handle, bus_id, size, offset, shape, strides, dtype, table_id,
+                slot, event_handle, functools.partial(_hold_named, table_id, slot, lease))
 
 
 def _hold_named(table_id: str, slot: int, lease: Callable[[], int]) -> None:
@@ -572,17 +561,8 @@ def _hold_named(table_id: str, slot: int, lease: Callable[[], int]) -> None:
 
 
 def held_load(mem: Any, view: tuple[Any, ...]) -> Any:
-    """The array of a message :func:`held_attach` attached, once the current stream waits
-    for the sender's work."""
-    offset, shape, strides, dtype, event_handle, device = view
-    cp = _device.cupy()
-    if event_handle is not None:
-        if cp.cuda.runtime.getDevice() == device:
-            _wait(cp, event_handle, None)
-        else:
-            with cp.cuda.Device(device):
-                _wait(cp, event_handle, None)
-    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides)
+    """The array of a message :func:`held_attach` attached."""
+    return _view(_device.cupy(), mem, view, None)
 
 
 def rebuild_empty(shape: tuple[int, ...], dtype: str, bus_id: str) -> Any:

@@ -293,11 +293,8 @@ def reduce_array(cp: Any, arr: Any, mem: Any, owner: _Block | _VUse
     if fd_i is None:
         fd_i = memo[slab.key] = _wire.attach_fd(slab.fd)
     device = slab.device
-    if cp.cuda.runtime.getDevice() == device:
+    with _device.on(cp, device):
         ev = _events.order(cp, device)
-    else:
-        with cp.cuda.Device(device):
-            ev = _events.order(cp, device)
     lock_i = _wire.inflight_index(table_id, slot)
     return _rebuild_array, (slab.key, slab.bus_id, slab.size, fd_i, arr.data.ptr - slab.ptr,
                             arr.shape, arr.strides, arr.dtype.str, table_id, slot, lock_i, ev)
@@ -395,11 +392,9 @@ def _array(cp: Any, s: _Mapped, use: _VUse, offset: int, shape: tuple[int, ...],
            strides: tuple[int, ...] | None, dt: numpy.dtype[Any], event_handle: bytes | None,
            deferred: _wire.Deferred | None) -> Any:
     """:func:`_attach`'s wait and array with ``s``'s device current, when it was not."""
+    _wire.check_view(offset, shape, strides, dt.itemsize, s.size)
     if event_handle is not None:
-        if deferred is None:
-            _events.stream_wait(cp, event_handle, cp.cuda.get_current_stream().ptr)
-        else:
-            _events.wait(cp, event_handle)
+        _events.wait_sent(cp, event_handle, deferred)
     mem = cp.cuda.UnownedMemory(s.ptr, s.size, use, s.device)
     if strides is None:
         return cp.ndarray(shape, dt, cp.cuda.MemoryPointer(mem, offset))

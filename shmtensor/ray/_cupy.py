@@ -142,27 +142,22 @@ def _local_device(cp: Any, bus_id: str) -> int:
 
 
 def attach(h: CudaHandle) -> Any:
+    """The sender's device memory, mapped here as a queue's message's is (back in the
+    process that exported it, through Ray or a queue: its own memory); the slot held
+    through the sender's description of its lease file."""
     cp = _device.cupy()  # the fork error first; the releases below need it imported
-    _release.poll()
     _release.ensure_releaser()
-    device = _local_device(cp, h.bus_id)
-    with cp.cuda.Device(device):
-        # back in the process that exported it (through Ray or a queue): its own memory
-        home = _ipc._home(cp, h.table_id, h.slot, h.offset, h.shape, h.dtype, h.strides)
-        if home is not None:
-            return home
+    _local_device(cp, h.bus_id)  # NotReachable where this process cannot see the GPU
 
-        def take() -> None:  # the slot's hold, unless an array of this process holds it
-            src = _host.open_peer_fd(h.pid, h.lease_fd,
-                                     f"{posix_shm.PREFIX}_{h.table_id}_lease")
-            try:
-                ofd_lease.hold(h.table_id, h.slot, src)
-            finally:
-                os.close(src)
-
-        mem = _ipc._mapped(cp, device, h.ipc_handle, h.bus_id, h.size, h.table_id, h.slot,
-                           take)
-        return cp.ndarray(h.shape, h.dtype, cp.cuda.MemoryPointer(mem, h.offset), h.strides)
+    def take() -> None:  # the slot's hold, unless an array of this process holds it
+        src = _host.open_peer_fd(h.pid, h.lease_fd, f"{posix_shm.PREFIX}_{h.table_id}_lease")
+        try:
+            ofd_lease.hold(h.table_id, h.slot, src)
+        finally:
+            os.close(src)
+    mem, view = _ipc._map(cp, h.ipc_handle, h.bus_id, h.size, h.offset, h.shape, h.strides,
+                          h.dtype, h.table_id, h.slot, None, take)
+    return _ipc._view(cp, mem, view, None)
 
 
 def rebuild(h: CudaHandle, carried: Callable[[], Any] | None = None) -> Any:
