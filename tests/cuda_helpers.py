@@ -508,3 +508,20 @@ def event_creation_cost(rounds=7, n=20000):
     finally:
         cls.__init__ = wrapped
     return best
+
+
+def attach_ray_handle(conn):
+    """Attach the shmtensor.ray CuPy handles ``conn`` sends (no Ray needed), answering each
+    with the array's sum, or the ValueError's message."""
+    import cupy  # noqa: F401 (first: the attach needs it imported)
+    from shmtensor.ray import _cupy
+    while True:
+        h = conn.recv()
+        if h is None:
+            break
+        try:
+            a = _cupy.attach(h)
+            conn.send(float(a.sum()))
+            del a
+        except ValueError as e:
+            conn.send(str(e))

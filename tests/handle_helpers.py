@@ -187,9 +187,11 @@ def put_again_then_free(q, n, took, done, out):
 
 
 def take_and_report(q, results, n, go=None):
-    """Take ``n`` arrays from ``q`` (a second reader of it; once ``go`` is set, if given)
-    and put each one's first item and whether all its items are that on ``results``."""
+    """Take ``n`` arrays from ``q`` (a second reader of it; with ``go``, once it is set,
+    after putting ``"ready"``) and put each one's first item and whether all its items
+    are that on ``results``."""
     if go is not None:
+        results.put("ready")
         go.wait(60)
     for _ in range(n):
         a = q.get(timeout=60)

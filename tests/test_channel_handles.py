@@ -463,6 +463,7 @@ def test_arrays_sent_back_after_their_maker_closed_its_queue_reach_another_reade
     r = ctx.Process(target=take_and_report, args=(back, results, 3, read))
     p.start()
     r.start()
+    assert results.get(timeout=JOIN) == "ready"  # r has its ends of ``back`` before it goes
     out.put(shmtensor.zeros(4))
     assert back.get()[0] == 0  # the sole reader of ``back``
     for i in (1, 2, 3):

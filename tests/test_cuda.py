@@ -706,3 +706,30 @@ def test_importing_shmtensor_after_cupy_does_not_initialise_cuda():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "3"]
+
+
+def test_a_ray_handle_maps_as_a_queue_message_does_and_comes_home_as_itself(cp, lc):
+    # shmtensor.ray's CuPy handle goes through the queues' receive (no Ray needed to make
+    # or attach one): another process maps it; its exporter gets its own memory; a view
+    # outside the allocation is refused
+    from shmtensor.ray import _cupy
+    a = cp.arange(1000, dtype=cp.float32).reshape(10, 100)
+    h, token = _cupy.handle_of(cp, a, "node")
+    ctx = smp.get_context("spawn")
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=ch.attach_ray_handle, args=(there,))
+    p.start()
+    try:
+        here.send(h)
+        assert here.recv() == 499500.0
+        for offset in (-4096, h.size):
+            here.send(h._replace(offset=offset))
+            assert "outside its memory" in here.recv()
+        here.send(None)
+        join_all(p)
+        assert p.exitcode == 0
+    finally:
+        os.close(h.lease_fd)
+    home = _cupy.attach(h)
+    assert home.data.ptr == a.data.ptr and float(home.sum()) == 499500.0
+    del home, token
