@@ -1194,18 +1194,13 @@ def _sent_back_until(ring: Ring) -> int:
     mine = _tag(process_tag())
     if user[_MAKER] & _TAG_MASK == mine:
         user[_MAKER] = 0
-    tail: list[int] = []
     try:
-        ring.sync_writers(0, lambda: tail.append(ring.tail))
+        ring.sync_writers(0)
     except TimeoutError:
         return _UNSYNCED
-    last = -1
-    for number in range(ring.head, tail[0]):
-        rec = ring.peek(number, 1 + _FWD_HEAD.size)
-        if (rec is not None and rec[:1] == _FWD and len(rec) == 1 + _FWD_HEAD.size
-                and _FWD_HEAD.unpack_from(rec, 1)[0] == mine):
-            last = number
-    return last
+    scan = _Scanned(ring)
+    scan.update()
+    return max((n for n, (tag, _) in scan.found.items() if tag == mine), default=-1)
 
 
 def _let_go(keep: dict[int, int], old: list[tuple[int, dict[int, int]]]) -> None:
