@@ -711,7 +711,8 @@ class Channel:
             if len(data) < at + _HELD_HEAD.size:
                 return _Held(b"", None, None, OSError(errno.EBADMSG, "a malformed record"))
             pid, seg_no, seg_ino, shard_no, shard_ino, w = _HELD_HEAD.unpack_from(data, at)
-            return self._attach(number, pid, data[at + _HELD_HEAD.size:],
+            # (memory sent back is this process's own: not its writer's slab to keep hot)
+            return self._attach(number, 0 if back else pid, data[at + _HELD_HEAD.size:],
                                 lambda: self._kept(seg_ino, pid, seg_no, w, opened),
                                 lambda: self._kept(shard_ino, pid, shard_no, w, opened))
         finally:
@@ -736,8 +737,9 @@ class Channel:
         # record's attach then finds the anchor alive (no hold, no release, no anchor
         # made).  Let go of when that writer sends another slab, or the ring empties.
         hot = self._hot
-        if self.ring.tail - number > 1 and len(hot) < _HOT_MAX:
-            hot[writer] = anchor
+        if self.ring.tail - number > 1:
+            if writer and len(hot) < _HOT_MAX:
+                hot[writer] = anchor
         elif hot:
             hot.clear()
         return _Held(payload, anchor, view, None)
@@ -1151,7 +1153,9 @@ def sweep_all() -> bool:
     for channel in channels:
         if channel._keep or channel._old:
             busy = channel.sweep_idle() or busy
-    return busy
+    if _lingering:  # closed channels' rings, let go of once taken even with no queue left
+        _prune(collections.deque(), 0)
+    return busy or bool(_lingering)
 
 
 def _closed(ring: Ring, pending: collections.deque[tuple[int, object]], keep: dict[int, int],
@@ -1174,13 +1178,21 @@ def _closed(ring: Ring, pending: collections.deque[tuple[int, object]], keep: di
             head = ring.head
             while pending and pending[0][0] < head:
                 pending.popleft()
-            if pending and ring.peers_alive():
+            if pending and (ring.peers_alive() or _sent_back_waits(pending)):
                 _lingering.append((ring, pending))
                 return
         except (OSError, ValueError):  # closed already
             pass
         pending.clear()
     ring.close()
+
+
+def _sent_back_waits(kept: collections.deque[tuple[int, object]]) -> bool:
+    """Whether a closed channel's lingering entry waits for records that send this
+    process's memory back (its last, anchor None: see _sent_back_until).  Those keep the
+    ring while no other process has it too: a reader may yet come (a child started with
+    the queue attaches it only as it starts), and reuse under it would corrupt."""
+    return bool(kept) and kept[-1][1] is None
 
 
 def _sent_back_until(ring: Ring) -> int:
@@ -1227,7 +1239,7 @@ def _prune(pending: collections.deque[tuple[int, object]], head: int) -> None:
             head = ring.head
             while kept and kept[0][0] < head:
                 kept.popleft()
-            if not kept or not ring.peers_alive():
+            if not kept or not (ring.peers_alive() or _sent_back_waits(kept)):
                 kept.clear()
                 _lingering.remove(entry)
                 ring.close()

@@ -211,3 +211,16 @@ def echo_later(inbox, outbox, go, n):
     del held, a
     outbox.close()
     getattr(outbox, "join_thread", lambda: None)()
+
+
+def echo_and_own(inbox, outbox, n):
+    """Send back the first array taken from ``inbox``; then take ``n`` more and, for each,
+    send it back and then an array of this process's own (``-1``, ``-2``, ...)."""
+    outbox.put(inbox.get(timeout=60))
+    held = [inbox.get(timeout=60) for _ in range(n)]
+    for i, a in enumerate(held):
+        outbox.put(a)
+        outbox.put(shmtensor.full((256,), -(i + 1), dtype=np.int64))
+    del held, a
+    outbox.close()
+    outbox.join_thread()

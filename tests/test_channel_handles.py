@@ -23,7 +23,7 @@ import shmtensor.multiprocessing as smp
 from shmtensor import _channel
 
 from conftest import JOIN, join_all
-from handle_helpers import (OWN, echo, echo_later, put_after_first, put_again,
+from handle_helpers import (OWN, echo, echo_and_own, echo_later, put_after_first, put_again,
                             put_again_then_free, put_and_free, put_fresh, put_many, put_six,
                             stream_and_count_slabs,
                             take_all, take_and_report, take_first_then_rest,
@@ -486,6 +486,67 @@ def test_arrays_sent_back_after_their_maker_closed_its_queue_reach_another_reade
     assert r.exitcode == 0
     out.close()
     results.close()
+
+
+def test_a_closed_queue_keeps_what_waits_to_come_back_to_its_maker(lc):
+    # Arrays sent back wait in a queue their maker closes while no other process has it:
+    # a reader may yet come (a child started with it attaches it only as it starts), so
+    # the ring lingers and the memory is not reused until the records are taken.
+    from shmtensor import _segments
+    from shmtensor.ipc import ofd_lease
+    out, back, p = _echoing(3)
+    slots = set()
+    for i in (1, 2, 3):
+        a = shmtensor.full((256,), i, dtype=np.int64)
+        slots.add(_segments.segment_of(a).slot)
+        out.put(a)
+        del a
+    join_all(p)
+    assert p.exitcode == 0
+    out.put(None)  # lets go of what this process kept of its records on ``out``
+    ring = back._chan.ring
+    back.close()
+    del back
+    gc.collect()
+    assert any(r is ring for r, _ in _channel._lingering)
+    assert not ring.peers_alive()
+    shmtensor.empty_cache()
+    table = ofd_lease.own_table()
+    assert all(_segments.held_anywhere(table, slot) for slot in slots)
+    while not ring.empty():  # as a reader would: then the ring and the memory go
+        ring.get(False)
+    _channel.sweep_all()
+    assert not any(r is ring for r, _ in _channel._lingering)
+    assert not any(_segments.held_anywhere(table, slot) for slot in slots)
+    out.close()
+
+
+def test_arrays_sent_back_between_their_writers_own_all_arrive_after_it_exits(lc):
+    # Taking an array sent back keeps its writer's last slab held as before (the memory
+    # sent back is this process's own): the writer's next arrays, sent without fds before
+    # it exited, still find its lease file here, even with idle memory given back
+    # between gets.
+    ctx = smp.get_context("spawn")
+    out, back = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=echo_and_own, args=(out, back, 20))
+    p.start()
+    out.put(shmtensor.zeros(4))
+    assert back.get(timeout=JOIN)[0] == 0  # the sole reader of ``back``
+    for i in range(20):
+        out.put(shmtensor.full((256,), i + 1, dtype=np.int64))
+    join_all(p)
+    assert p.exitcode == 0
+    out.put(None)
+    got = []
+    for _ in range(40):
+        a = back.get(timeout=JOIN)
+        assert (a == a[0]).all()
+        got.append(int(a[0]))
+        del a
+        shmtensor.empty_cache()
+    assert sorted(got) == sorted([*range(1, 21), *range(-20, 0)])
+    out.close()
+    back.close()
 
 
 def test_arrays_over_a_slab_item_go_back_to_their_maker_with_fds(lc, counted):
