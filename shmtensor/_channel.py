@@ -169,7 +169,7 @@ class Channel:
         # anchors still in flight keep the ring until their records are taken, and so do
         # records that send this process's memory back to it (names_own)
         self._close = weakref.finalize(self, _closed, ring, self._pending, self._keep,
-                                       self._old, self._hot, self._names)
+                                       self._old, self._hot, self._names, side_w)
         self._close.atexit = False  # a daemon feeder may still be sending at exit
         # whether records tick once someone waits on the fd (see wait_fd): set by the
         # owner in every process that has the channel (a SimpleQueue's are; a Queue's not)
@@ -1160,7 +1160,7 @@ def sweep_all() -> bool:
 
 def _closed(ring: Ring, pending: collections.deque[tuple[int, object]], keep: dict[int, int],
             old: list[tuple[int, dict[int, int]]], hot: dict[int, object],
-            names: list[bool]) -> None:
+            names: list[bool], side_w: socket.socket) -> None:
     """A channel's end in this process: what it kept closed; anchors of records not yet
     taken wait in ``_lingering`` with the ring (see _prune), and so does a ring whose
     records not yet taken may send this process's memory back to it (names_own)."""
@@ -1169,8 +1169,8 @@ def _closed(ring: Ring, pending: collections.deque[tuple[int, object]], keep: di
     if names[0]:
         try:
             last = _sent_back_until(ring)
-            if last >= 0:
-                pending.append((last, None))  # the ring lingers until head passes it
+            if last >= 0:  # the ring lingers until head passes it
+                pending.append((last, _Readers(side_w)))
         except (OSError, ValueError):  # closed already
             pass
     if pending:
@@ -1178,7 +1178,7 @@ def _closed(ring: Ring, pending: collections.deque[tuple[int, object]], keep: di
             head = ring.head
             while pending and pending[0][0] < head:
                 pending.popleft()
-            if pending and (ring.peers_alive() or _sent_back_waits(pending)):
+            if pending and (ring.peers_alive() or _reader_may_come(pending)):
                 _lingering.append((ring, pending))
                 return
         except (OSError, ValueError):  # closed already
@@ -1187,12 +1187,41 @@ def _closed(ring: Ring, pending: collections.deque[tuple[int, object]], keep: di
     ring.close()
 
 
-def _sent_back_waits(kept: collections.deque[tuple[int, object]]) -> bool:
+class _Readers:
+    """Whether a closed channel's queue may still be read somewhere: an fd of its side
+    socket's writing end (-1 where it was closed already), which polls hung up once no
+    process has a reading end, not even one on its way to a child that has not yet
+    attached the queue."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, side_w: socket.socket) -> None:
+        self.fd = -1
+        if side_w.fileno() >= 0:
+            try:
+                self.fd = os.dup(side_w.fileno())
+            except OSError:  # out of fds: only processes that have the ring count
+                pass
+
+    def may_come(self) -> bool:
+        if self.fd < 0:
+            return False
+        poller = select.poll()
+        poller.register(self.fd, select.POLLOUT)
+        return not any(ev & (select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
+
+    def __del__(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+
+
+def _reader_may_come(kept: collections.deque[tuple[int, object]]) -> bool:
     """Whether a closed channel's lingering entry waits for records that send this
-    process's memory back (its last, anchor None: see _sent_back_until).  Those keep the
-    ring while no other process has it too: a reader may yet come (a child started with
-    the queue attaches it only as it starts), and reuse under it would corrupt."""
-    return bool(kept) and kept[-1][1] is None
+    process's memory back (its last: see _sent_back_until) that a reader may yet take
+    although no other process has the ring now (a child started with the queue attaches
+    it only as it starts): reuse under them would corrupt."""
+    readers = kept[-1][1] if kept else None
+    return type(readers) is _Readers and readers.may_come()
 
 
 def _sent_back_until(ring: Ring) -> int:
@@ -1235,11 +1264,11 @@ def _prune(pending: collections.deque[tuple[int, object]], head: int) -> None:
         for entry in _lingering[:]:
             ring, kept = entry
             if kept and kept[-1][0] == _UNSYNCED:
-                kept[-1] = (_sent_back_until(ring), None)
+                kept[-1] = (_sent_back_until(ring), kept[-1][1])
             head = ring.head
             while kept and kept[0][0] < head:
                 kept.popleft()
-            if not kept or not (ring.peers_alive() or _sent_back_waits(kept)):
+            if not kept or not (ring.peers_alive() or _reader_may_come(kept)):
                 kept.clear()
                 _lingering.remove(entry)
                 ring.close()

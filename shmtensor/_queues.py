@@ -767,10 +767,11 @@ class SimpleQueue(_OnChannel, _SimpleQueueBase):
         return self._chan.empty()
 
     def close(self) -> None:
-        """As the stdlib's: both ends closed (and the ring, in this process)."""
+        """As the stdlib's: both ends closed (and the ring, in this process: first, so
+        that it may still ask whether the queue is read elsewhere)."""
+        self._chan.close()
         self._side.close()
         self._writer.close()
-        self._chan.close()
 
     def put(self, obj: object) -> None:
         self._writer._check_closed()

@@ -488,37 +488,49 @@ def test_arrays_sent_back_after_their_maker_closed_its_queue_reach_another_reade
     results.close()
 
 
-def test_a_closed_queue_keeps_what_waits_to_come_back_to_its_maker(lc):
-    # Arrays sent back wait in a queue their maker closes while no other process has it:
-    # a reader may yet come (a child started with it attaches it only as it starts), so
-    # the ring lingers and the memory is not reused until the records are taken.
+@pytest.mark.parametrize("reader", ["may come", "none"])
+def test_a_closed_queue_keeps_what_waits_to_come_back_to_its_maker(lc, reader):
+    # Arrays sent back wait in a queue their maker closes while no other process has it.
+    # While a reading end is open anywhere (here an fd of it, as a child started with the
+    # queue has one before it attaches the ring), the ring lingers and the memory is not
+    # reused until the records are taken; with none, both go at once.
     from shmtensor import _segments
     from shmtensor.ipc import ofd_lease
-    out, back, p = _echoing(3)
+    ctx = smp.get_context("spawn")
+    out, back, go = ctx.Queue(), ctx.SimpleQueue(), ctx.Event()
+    p = ctx.Process(target=echo_later, args=(out, back, go, 3))
+    p.start()
+    out.put(shmtensor.zeros(4))
+    assert back.get()[0] == 0  # the sole reader of ``back``
     slots = set()
     for i in (1, 2, 3):
         a = shmtensor.full((256,), i, dtype=np.int64)
         slots.add(_segments.segment_of(a).slot)
         out.put(a)
         del a
+    go.set()
     join_all(p)
     assert p.exitcode == 0
     out.put(None)  # lets go of what this process kept of its records on ``out``
     ring = back._chan.ring
-    back.close()
-    del back
-    gc.collect()
-    assert any(r is ring for r, _ in _channel._lingering)
     assert not ring.peers_alive()
-    shmtensor.empty_cache()
-    table = ofd_lease.own_table()
-    assert all(_segments.held_anywhere(table, slot) for slot in slots)
-    while not ring.empty():  # as a reader would: then the ring and the memory go
-        ring.get(False)
+    end = os.dup(back._side.fileno()) if reader == "may come" else -1
+    back.close()
     _channel.sweep_all()
-    assert not any(r is ring for r, _ in _channel._lingering)
-    assert not any(_segments.held_anywhere(table, slot) for slot in slots)
+    table = ofd_lease.own_table()
+    lingers = reader == "may come"
+    assert any(r is ring for r, _ in _channel._lingering) == lingers
+    shmtensor.empty_cache()
+    assert all(_segments.held_anywhere(table, slot) == lingers for slot in slots)
+    if lingers:
+        while not ring.empty():  # as a reader would: then the ring and the memory go
+            ring.get(False)
+        os.close(end)
+        _channel.sweep_all()
+        assert not any(r is ring for r, _ in _channel._lingering)
+        assert not any(_segments.held_anywhere(table, slot) for slot in slots)
     out.close()
+    out.join_thread()
 
 
 def test_arrays_sent_back_between_their_writers_own_all_arrive_after_it_exits(lc):
