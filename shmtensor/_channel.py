@@ -880,9 +880,7 @@ class Channel:
         process's included) closed, as a pipe with no reader.  A syscall: ``send`` asks
         only once this process has closed its own reading end."""
         try:
-            poller = select.poll()
-            poller.register(self._side_w, select.POLLOUT)
-            return any(ev & (select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
+            return _hung_up(self._side_w)
         except (OSError, ValueError):  # the writing end closed too: the send says so
             return False
 
@@ -1204,15 +1202,18 @@ class _Readers:
                 pass
 
     def may_come(self) -> bool:
-        if self.fd < 0:
-            return False
-        poller = select.poll()
-        poller.register(self.fd, select.POLLOUT)
-        return not any(ev & (select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
+        return self.fd >= 0 and not _hung_up(self.fd)
 
     def __del__(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
+
+
+def _hung_up(side_w: socket.socket | int) -> bool:
+    """Whether a side socket's writing end polls hung up: no process has a reading end."""
+    poller = select.poll()
+    poller.register(side_w, select.POLLOUT)
+    return any(ev & (select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
 
 
 def _reader_may_come(kept: collections.deque[tuple[int, object]]) -> bool:
