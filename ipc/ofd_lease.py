@@ -56,7 +56,7 @@ _consume = deque[object](maxlen=0).extend  # runs an iterator out, in C
 __all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "lock_shared",
            "establish", "release", "release_many", "inflight_fd", "sendable", "kept_budget",
            "holdings_kept", "probe_held", "forget_idle", "shed_kept", "retry_after_shedding",
-           "own_fds", "table_count", "before_fork", "after_fork_in_parent",
+           "own_fds", "table_count", "file_of", "before_fork", "after_fork_in_parent",
            "after_fork_in_child"]
 
 HAVE_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")
@@ -397,6 +397,25 @@ def holder(table_id: str, slot: int) -> tuple[int, int]:
         except OSError:  # let go of meanwhile
             return -1, 0
     return fd, h.inos[k]
+
+
+def file_of(ino: int) -> int:
+    """This process's fd of a description of the peer table file of inode ``ino`` (one it
+    holds slots of, through its description of the file or a kept in-flight one), or -1:
+    a new description opened through it (``/proc/self/fd``) holds nothing."""
+    for h in list(_holdings.values()):
+        with h.lock:
+            for k, fd in chain(enumerate(h.fds), ((s % SHARDS, d) for s, d in h.by.items())):
+                if fd < 0:
+                    continue
+                if not h.inos[k]:
+                    try:
+                        h.inos[k] = os.fstat(fd).st_ino
+                    except OSError:
+                        continue
+                if h.inos[k] == ino:
+                    return fd
+    return -1
 
 
 _kept = 0  # in-flight descriptions kept as holds, in all tables (under _kept_lock)

@@ -26,6 +26,7 @@ readable exactly while a record waits.  Until then no record costs a syscall.
 
 from __future__ import annotations
 
+import array
 import collections
 import errno
 import fcntl
@@ -47,6 +48,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from itertools import starmap
 from multiprocessing import reduction
+from multiprocessing.util import Finalize, register_after_fork
 from typing import Any, TypeVar, cast
 
 from shmtensor.ipc import ofd_lease, scm_rights, shm_space
@@ -83,6 +85,16 @@ _PID = 0xFFFFFFFF
 # names no sole reader.  Stored just before the reader word, as readers store it.
 _MAKER = 4
 _TAG_MASK = (1 << 48) - 1
+# The ring's user word that counts the parking datagrams sent (see _park): a hint that
+# some may wait in the lot, set back to 0 only by a reader that found every one stale.
+_PARKED = 5
+# A parking datagram, sent the other way on the side socket (into the writing end's
+# receive queue, which nothing else reads): the ring's tail when it was sent (every
+# record it serves is below it), how many files, then their inodes; their fds with it.
+_PARK_HEAD = struct.Struct("=QH")
+_PARK_FDS = 250  # files per parking datagram (the kernel takes at most 253 fds in one)
+_PARK_MAX = _PARK_HEAD.size + 8 * _PARK_FDS
+_LOT_SECONDS = 1.0  # how often a reader looks through the lot while the hint is set
 _UNSYNCED = 1 << 62  # see _sent_back_until
 _ANNOUNCED_MAX = 1024  # what a writer remembers having announced, per channel
 _HOT_MAX = 64  # writers whose last slab a reader keeps held while records wait
@@ -132,7 +144,7 @@ class Channel:
     __slots__ = ("ring", "turn", "waitable", "_side_r", "_side_w", "_taken", "_last", "_raw",
                  "_made", "_handing", "_pid", "_spent", "_close", "_keep", "_old", "_mine",
                  "_announced", "_announced_at", "_once", "_pending", "_dev", "_hot", "_origin",
-                 "_sweep_at", "sweeping", "sweeps", "_closing", "_names", "__weakref__")
+                 "_sweep_at", "sweeping", "sweeps", "_closing", "_names", "_lot_at", "__weakref__")
 
     def __init__(self, ring: Ring, side_r: socket.socket, side_w: socket.socket) -> None:
         self.ring, self._side_r, self._side_w = ring, side_r, side_w
@@ -146,6 +158,7 @@ class Channel:
         # (for the sweep that lets go of what its writer freed)
         self._origin: dict[int, tuple[int, int, int, int]] = {}
         self._sweep_at = 0.0
+        self._lot_at = 0.0  # when this reader may next look through the lot (_clean_lot)
         # set while a pass of the sweeper thread holds the turn, and those passes counted
         # (sweep_idle): a receive that found the turn taken by a pass waits a moment for
         # it; and what close() and the sweeper's pass take, so that a close never drops
@@ -169,7 +182,7 @@ class Channel:
         # anchors still in flight keep the ring until their records are taken, and so do
         # records that send this process's memory back to it (names_own)
         self._close = weakref.finalize(self, _closed, ring, self._pending, self._keep,
-                                       self._old, self._hot, self._names, side_w)
+                                       self._old, self._hot, self._names, side_r, side_w)
         self._close.atexit = False  # a daemon feeder may still be sending at exit
         # whether records tick once someone waits on the fd (see wait_fd): set by the
         # owner in every process that has the channel (a SimpleQueue's are; a Queue's not)
@@ -525,10 +538,13 @@ class Channel:
                 self._hot.clear()  # keep no slab (_attach)
             if self._origin and time.monotonic() >= self._sweep_at:
                 self._sweep()
-        if cast(memoryview, self.ring.user)[_READER] != self._mine or not self._mine:
+        user = cast(memoryview, self.ring.user)
+        if user[_READER] != self._mine or not self._mine:
             self._join()
         if self._old:
             self._drop_old(number)
+        if user[_PARKED] and time.monotonic() >= self._lot_at:
+            self._clean_lot(number)
         kind = data[:1]
         if kind == _INLINE or kind == _HELD or kind == _FWD:
             if self.waitable and cast(memoryview, self.ring.user)[_WAITED]:
@@ -713,8 +729,9 @@ class Channel:
             pid, seg_no, seg_ino, shard_no, shard_ino, w = _HELD_HEAD.unpack_from(data, at)
             # (memory sent back is this process's own: not its writer's slab to keep hot)
             return self._attach(number, 0 if back else pid, data[at + _HELD_HEAD.size:],
-                                lambda: self._kept(seg_ino, pid, seg_no, w, opened),
-                                lambda: self._kept(shard_ino, pid, shard_no, w, opened))
+                                lambda: self._kept(seg_ino, pid, seg_no, w, number, opened),
+                                lambda: self._kept(shard_ino, pid, shard_no, w, number,
+                                                   opened))
         finally:
             scm_rights.close_fds(opened)
 
@@ -744,11 +761,13 @@ class Channel:
             hot.clear()
         return _Held(payload, anchor, view, None)
 
-    def _kept(self, ino: int, pid: int, fd_no: int, w: int, opened: list[int]) -> int:
-        """This process's fd of the file of inode ``ino``: kept, else opened (into
-        ``opened``) through its writer ``pid``'s fd ``fd_no``, else through an fd of the
-        sole reader that reader word ``w`` names (which keeps the memory's memfd, and a
-        description of the lease file while it holds anything of it)."""
+    def _kept(self, ino: int, pid: int, fd_no: int, w: int, number: int,
+              opened: list[int]) -> int:
+        """This process's fd of the file of inode ``ino``, for record ``number``: kept,
+        else opened (into ``opened``) through its writer ``pid``'s fd ``fd_no``, else
+        through an fd of the sole reader that reader word ``w`` names (which keeps the
+        memory's memfd, and a description of the lease file while it holds anything of
+        it), else one that a process parked as it let go of the queue (see _park)."""
         fd = self._keep.get(ino, -1)
         if fd >= 0:
             return fd
@@ -768,6 +787,8 @@ class Channel:
             for name in names:
                 if _open_file(f"/proc/{reader}/fd/{name}", self._dev, ino, opened):
                     return opened[-1]
+        if self._through_lot(number, ino, opened):
+            return opened[-1]
         raise OSError(errno.ENOENT, f"it came without fds, and neither its writer (process "
                       f"{pid}) nor the reader it was sent to (process {reader}) has its "
                       "memory open any more (each exited or closed the queue, or they run "
@@ -874,6 +895,55 @@ class Channel:
             # read by its reader, after the note): closed either way
             raw.clear()
             scm_rights.close_fds(fds)
+
+    def park(self) -> None:
+        """Park the files that records without fds not yet taken name, that this
+        process has (see :func:`_park`): as it lets go of the queue."""
+        if self._pid == os.getpid():
+            _park(self.ring, self._side_r, self._keep, self._old)
+
+    def _clean_lot(self, number: int) -> None:
+        """Under the readers' lock, taking record ``number``: close the parked files no
+        record from it on may name, park the others again; and clear the hint once none
+        is left (unless another process parked meanwhile, which counted it up)."""
+        self._lot_at = time.monotonic() + _LOT_SECONDS
+        user = cast(memoryview, self.ring.user)
+        seen = user[_PARKED]
+        if not self._through_lot(number, 0, []) and user[_PARKED] == seen:
+            user[_PARKED] = 0
+
+    def _through_lot(self, number: int, ino: int, opened: list[int]) -> int:
+        """Under the readers' lock (so that no other reader misses a datagram this one
+        has in hand), taking record ``number``: take every parking datagram, park again
+        those a record from ``number`` on may need and close the others.  Where one has
+        the file of inode ``ino``, a new fd of it goes into ``opened``.  Returns the
+        datagrams parked again, or for ``ino``, whether the file was found."""
+        sock = self._side_w
+        again = found = 0
+        taken: list[Any] = []  # recvmsg results, each stored by the call's own step
+        try:
+            while sock.fileno() >= 0:  # all taken first: one parked again comes back
+                try:
+                    taken.extend(starmap(sock.recvmsg, ((_PARK_MAX, _ANC, _TAKE),)))
+                except OSError:  # empty (BlockingIOError), or closed
+                    break
+            for msg in taken:
+                data, fds = msg[0], scm_rights._collect((msg,))[0]
+                if len(data) < _PARK_HEAD.size:
+                    continue
+                tail, n = _PARK_HEAD.unpack_from(data)
+                if tail <= number or len(data) != _PARK_HEAD.size + 8 * n or len(fds) != n:
+                    continue  # stale: every record it served was taken (or junk)
+                inos = struct.unpack_from(f"={n}Q", data, _PARK_HEAD.size)
+                again += _to_lot(self.ring, self._side_r, data, fds)
+                if ino and not found and ino in inos:
+                    fd = fds[inos.index(ino)]
+                    if os.fstat(fd).st_ino == ino:
+                        _consume(map(opened.append, map(os.dup, (fd,))))
+                        found = 1
+        finally:
+            scm_rights.close_fds(scm_rights._collect(taken)[0])
+        return found if ino else again
 
     def readers_gone(self) -> bool:
         """Whether no process reads this channel any more: every reading end (this
@@ -1158,11 +1228,13 @@ def sweep_all() -> bool:
 
 def _closed(ring: Ring, pending: collections.deque[tuple[int, object]], keep: dict[int, int],
             old: list[tuple[int, dict[int, int]]], hot: dict[int, object],
-            names: list[bool], side_w: socket.socket) -> None:
-    """A channel's end in this process: what it kept closed; anchors of records not yet
-    taken wait in ``_lingering`` with the ring (see _prune), and so does a ring whose
-    records not yet taken may send this process's memory back to it (names_own)."""
+            names: list[bool], side_r: socket.socket, side_w: socket.socket) -> None:
+    """A channel's end in this process: the files of records not yet taken parked (see
+    _park), what it kept closed; anchors of records not yet taken wait in ``_lingering``
+    with the ring (see _prune), and so does a ring whose records not yet taken may send
+    this process's memory back to it (names_own)."""
     hot.clear()
+    _park(ring, side_r, keep, old)
     _let_go(keep, old)
     if names[0]:
         try:
@@ -1183,6 +1255,94 @@ def _closed(ring: Ring, pending: collections.deque[tuple[int, object]], keep: di
             pass
         pending.clear()
     ring.close()
+
+
+def _park(ring: Ring, side_r: socket.socket, keep: dict[int, int],
+          old: list[tuple[int, dict[int, int]]]) -> None:
+    """As this process lets go of a queue (closes it, or exits) with records without fds
+    not yet taken: the files they name that it has (as their writer, its memfds and
+    lease files; as the reader they were sent to, the memfds it kept and its
+    descriptions of the lease files) go into the side socket the other way round, where
+    the kernel keeps them while any process has the queue.  A reader that later lacks
+    one (its writer and the reader it was sent to both gone) finds it there
+    (``Channel._through_lot``).  Lease files go as new descriptions, which hold nothing.
+    Never blocks, never raises: a full socket parks nothing (such records are then lost
+    once both processes are gone, as before)."""
+    opened: list[int] = []
+    try:
+        if side_r.fileno() < 0:
+            return
+        head, tail = ring.head, ring.tail
+        me, files = os.getpid(), dict[int, tuple[int, bool]]()  # inode -> (fd, lease file)
+        olds = [k for _, k in old]
+        for number in range(head, tail):
+            rec = ring.peek(number, 1 + _FWD_HEAD.size + _HELD_HEAD.size)
+            kind = rec[:1] if rec else b""
+            at = 1 + _FWD_HEAD.size if kind == _FWD else 1 if kind == _HELD else 0
+            if not at or len(rec) < at + _HELD_HEAD.size:  # type: ignore[arg-type]
+                continue
+            pid, seg_no, seg_ino, shard_no, shard_ino, _ = _HELD_HEAD.unpack_from(
+                rec, at)  # type: ignore[arg-type]
+            if pid != me:  # sent to this process: what it kept
+                seg_no = next((k[seg_ino] for k in (keep, *olds) if seg_ino in k), -1)
+                shard_no = ofd_lease.file_of(shard_ino)
+            files.setdefault(seg_ino, (seg_no, False))
+            files.setdefault(shard_ino, (shard_no, True))
+        fds, inos = [], []
+        for ino, (fd, lease) in files.items():
+            try:
+                if not ino or fd < 0 or os.fstat(fd).st_ino != ino:
+                    continue  # (a record read as it was taken, and written again)
+                if lease:
+                    _consume(map(opened.append, map(os.open, (f"/proc/self/fd/{fd}",),
+                                                    (os.O_RDWR | os.O_CLOEXEC,))))
+                    fd = opened[-1]
+            except OSError:
+                continue
+            fds.append(fd)
+            inos.append(ino)
+        for i in range(0, len(fds), _PARK_FDS):
+            part = inos[i:i + _PARK_FDS]
+            _to_lot(ring, side_r, _PARK_HEAD.pack(tail, len(part))
+                    + struct.pack(f"={len(part)}Q", *part), fds[i:i + _PARK_FDS])
+    except (OSError, ValueError):  # the ring or the socket closed already
+        pass
+    finally:
+        scm_rights.close_fds(opened)
+
+
+def _to_lot(ring: Ring, side_r: socket.socket, data: bytes, fds: list[int]) -> int:
+    """Send one parking datagram (its fds duplicated in flight) and count it in the
+    hint, after: 1, or 0 where the socket had no room."""
+    try:
+        side_r.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                 array.array("i", fds))], socket.MSG_DONTWAIT)
+    except OSError:
+        return 0
+    user = cast(memoryview, ring.user)
+    user[_PARKED] += 1
+    return 1
+
+
+def _park_all() -> None:
+    """At exit (a ``multiprocessing`` finalizer, after the queues' feeders were joined):
+    every channel of this process parks what its records not yet taken need."""
+    with _channels_lock:
+        channels = list(_channels)
+    for channel in channels:
+        channel.park()
+
+
+def _park_at_exit(_: object = None) -> None:
+    Finalize(None, _park_all, exitpriority=-10)
+
+
+# Registered in every process: multiprocessing's children drop the finalizers they
+# inherited or made before they start (a spawned one unpickles its queues first), then
+# run the after-fork hooks.
+_park_at_exit()
+register_after_fork(_park_all, _park_at_exit)
+os.register_at_fork(after_in_child=_park_at_exit)  # a plain fork's child has its own pid
 
 
 class _Readers:

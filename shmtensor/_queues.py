@@ -511,6 +511,7 @@ class _ShmQueue(_OnChannel, _QueueBase):
                         break
                     if item is _sentinel:
                         debug("feeder thread got sentinel -- exiting")
+                        chan.park()  # while this process still has the reading end
                         reader_close()
                         writer_close()
                         return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -63,6 +64,42 @@ def put_six(q, took_one, took_two):
         q.put(shmtensor.full((64,), i, dtype=np.int64))
     q.close()
     q.join_thread()
+
+
+def put_six_and_wait(q, took_one, took_two, written, stop):
+    """As :func:`put_six`, but keep the queue open: say when all six records are in the
+    ring (``written``), then wait (to be killed)."""
+    q.put(shmtensor.full((64,), 0, dtype=np.int64))
+    took_one.wait(60)
+    q.put(shmtensor.full((64,), 1, dtype=np.int64))
+    took_two.wait(60)
+    for i in range(2, 6):
+        q.put(shmtensor.full((64,), i, dtype=np.int64))
+    deadline = time.monotonic() + 60
+    while q._chan.ring.tail < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the feeder writes them
+    written.set()
+    stop.wait(60)
+
+
+def put_six_simple(q, took_one, took_two):
+    """As :func:`put_six`, on a SimpleQueue, and exit without closing it."""
+    q.put(shmtensor.full((64,), 0, dtype=np.int64))
+    took_one.wait(60)
+    q.put(shmtensor.full((64,), 1, dtype=np.int64))
+    took_two.wait(60)
+    for i in range(2, 6):
+        q.put(shmtensor.full((64,), i, dtype=np.int64))
+
+
+def take_two_simple_and_wait(q, took_one, took_two, stop):
+    """:func:`take_two_and_wait` on a SimpleQueue."""
+    kept = [q.get()]
+    took_one.set()
+    kept.append(q.get())
+    took_two.set()
+    stop.wait(60)
+    del kept
 
 
 def stream_and_count_slabs(q, n, out):

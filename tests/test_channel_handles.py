@@ -13,6 +13,8 @@ import os
 import pickle
 import queue
 import signal
+import socket
+import struct
 import time
 
 import numpy as np
@@ -25,6 +27,7 @@ from shmtensor import _channel
 from conftest import JOIN, join_all
 from handle_helpers import (OWN, echo, echo_and_own, echo_later, put_after_first, put_again,
                             put_again_then_free, put_and_free, put_fresh, put_many, put_six,
+                            put_six_and_wait, put_six_simple, take_two_simple_and_wait,
                             stream_and_count_slabs,
                             take_all, take_and_report, take_first_then_rest,
                             take_two_and_wait, three_then_none)
@@ -124,9 +127,25 @@ def test_a_reader_after_a_killed_sole_reader_gets_arrays_through_their_writer(lc
     out.close()
 
 
-def test_arrays_whose_writer_and_reader_both_died_are_lost_with_an_error(lc):
-    # As above, but their writer exited too: nobody has their memory any more.  Each is
-    # lost with an error that names both processes, and the queue goes on.
+def _lot_is_cleaned(q) -> None:
+    """The lot is empty and its hint cleared once a record past what it served is taken
+    (with ``_LOT_SECONDS`` 0)."""
+    q.put("after")
+    assert q.get(timeout=JOIN) == "after"
+    assert q._chan.ring.user[_channel._PARKED] == 0
+    with pytest.raises(BlockingIOError):
+        q._chan._side_w.recvmsg(1, 0, socket.MSG_DONTWAIT)
+
+
+def _values(arrays) -> list:
+    return [int(a[0]) if (a == a[0]).all() else ("corrupt", int(a[0])) for a in arrays]
+
+
+def test_a_writer_that_closed_and_exited_parks_its_files_for_the_next_reader(lc, monkeypatch):
+    # The writer sent to this queue's sole reader without fds and exited (its feeder
+    # parked the files its records need as it closed); the reader was killed before it
+    # took them: the next reader finds them in the lot.
+    monkeypatch.setattr(_channel, "_LOT_SECONDS", 0.0)
     ctx = smp.get_context("fork")
     q, took_one, took_two, stop = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
     r = ctx.Process(target=take_two_and_wait, args=(q, took_one, took_two, stop))
@@ -138,12 +157,105 @@ def test_arrays_whose_writer_and_reader_both_died_are_lost_with_an_error(lc):
     os.kill(r.pid, signal.SIGKILL)
     join_all(r)
     assert r.exitcode == -signal.SIGKILL
+    assert q._chan.ring.user[_channel._PARKED] > 0
+    assert _values([q.get(timeout=JOIN) for _ in range(4)]) == [2, 3, 4, 5]
+    _lot_is_cleaned(q)
+    q.close()
+
+
+def test_a_simple_queue_writer_that_exits_without_closing_parks_at_exit(lc, monkeypatch):
+    monkeypatch.setattr(_channel, "_LOT_SECONDS", 0.0)
+    ctx = smp.get_context("spawn")
+    q, took_one, took_two, stop = ctx.SimpleQueue(), ctx.Event(), ctx.Event(), ctx.Event()
+    r = ctx.Process(target=take_two_simple_and_wait, args=(q, took_one, took_two, stop))
+    w = ctx.Process(target=put_six_simple, args=(q, took_one, took_two))
+    r.start()
+    w.start()
+    join_all(w)
+    assert w.exitcode == 0
+    os.kill(r.pid, signal.SIGKILL)
+    join_all(r)
+    assert _values([q.get() for _ in range(4)]) == [2, 3, 4, 5]
+    q.put("after")
+    assert q.get() == "after"
+    assert q._chan.ring.user[_channel._PARKED] == 0
+    q.close()
+
+
+def test_a_reader_that_exits_with_records_unread_parks_what_it_kept(lc, monkeypatch):
+    # The writer was killed after its records were written; their sole reader exits
+    # normally without taking them: it parks the memfds it kept (and its lease files),
+    # and the next reader gets them.
+    monkeypatch.setattr(_channel, "_LOT_SECONDS", 0.0)
+    ctx = smp.get_context("fork")
+    q, took_one, took_two, stop, written, hold = (ctx.Queue(), ctx.Event(), ctx.Event(),
+                                                  ctx.Event(), ctx.Event(), ctx.Event())
+    r = ctx.Process(target=take_two_and_wait, args=(q, took_one, took_two, stop))
+    w = ctx.Process(target=put_six_and_wait, args=(q, took_one, took_two, written, hold))
+    r.start()
+    w.start()
+    assert written.wait(JOIN)
+    os.kill(w.pid, signal.SIGKILL)
+    join_all(w)
+    stop.set()
+    join_all(r)
+    assert r.exitcode == 0
+    assert _values([q.get(timeout=JOIN) for _ in range(4)]) == [2, 3, 4, 5]
+    _lot_is_cleaned(q)
+    q.close()
+
+
+def test_arrays_whose_writer_and_reader_were_both_killed_are_lost_with_an_error(lc):
+    # Nobody parked their files: each is lost with an error that names both processes,
+    # and the queue goes on.
+    ctx = smp.get_context("fork")
+    q, took_one, took_two, stop, written, hold = (ctx.Queue(), ctx.Event(), ctx.Event(),
+                                                  ctx.Event(), ctx.Event(), ctx.Event())
+    r = ctx.Process(target=take_two_and_wait, args=(q, took_one, took_two, stop))
+    w = ctx.Process(target=put_six_and_wait, args=(q, took_one, took_two, written, hold))
+    r.start()
+    w.start()
+    assert written.wait(JOIN)
+    for p in (w, r):
+        os.kill(p.pid, signal.SIGKILL)
+        join_all(p)
     for _ in range(4):
         with pytest.raises(OSError, match=f"neither its writer \\(process {w.pid}\\) nor "
                                           f"the reader it was sent to \\(process {r.pid}\\)"):
             q.get(timeout=JOIN)
     q.put("after")
     assert q.get(timeout=JOIN) == "after"
+    q.close()
+
+
+def test_the_lot_ignores_what_is_not_a_parking_datagram(lc):
+    # A peer parks junk: too short, a count its fds do not match, a file under another
+    # inode.  None of it is taken for a file, each fd is closed, and the record that
+    # lacks its memory is lost with the error that says so.
+    ctx = smp.get_context("fork")
+    q = ctx.Queue()
+    chan = q._chan
+    r, w = os.pipe()
+    try:
+        tail = chan.ring.tail + 100
+        for data, fds in ((b"x", [r]),
+                          (_channel._PARK_HEAD.pack(tail, 2) + struct.pack("=2Q", 1, 2), [r]),
+                          (_channel._PARK_HEAD.pack(tail, 1) + struct.pack("=Q", 1), [w])):
+            assert _channel._to_lot(chan.ring, chan._side_r, data, fds) == 1
+    finally:
+        os.close(r)
+        os.close(w)
+    fds = _fds()
+    from shmtensor._reductions import NUMPY_LANE
+    from shmtensor._segments import FD
+    head = _channel._HELD_HEAD.pack(os.getpid() + 1, 0, 1, 0, 1, 0)
+    handle = pickle.dumps(("shmtensor_0_nobody_1", FD, 4096, "nobody", 1, 0, (4,), None,
+                           "<f8", False))
+    assert q._sem.acquire(False)
+    chan.ring.put(_channel._HELD + head + NUMPY_LANE + handle)
+    with pytest.raises(OSError, match="neither its writer"):
+        q.get(timeout=JOIN)
+    assert _fds() <= fds  # what came back from the lot was closed
     q.close()
 
 
