@@ -126,7 +126,17 @@ _IDLE_LOOK = 1.0
 # same ring number by another writer.
 _count = itertools.count(1)
 _pid_tag = [os.getpid() << 32]
-os.register_at_fork(after_in_child=lambda: _pid_tag.__setitem__(0, os.getpid() << 32))
+# this process's pid, kept here: ``os.getpid`` is a syscall, and the paths of every put and
+# get ask for it to notice a fork
+_me = [os.getpid()]
+
+
+def _forked_here() -> None:
+    _me[0] = os.getpid()
+    _pid_tag[0] = _me[0] << 32
+
+
+os.register_at_fork(after_in_child=_forked_here)
 
 
 def _new_tag() -> int:
@@ -235,7 +245,7 @@ class Channel:
                   timeout: float | None) -> tuple[()] | tuple[bool] | tuple[bool, float]:
         """``turn.acquire``'s arguments for a receive with ``block`` and ``timeout`` (in
         a forked child, the parent's frames let go of first)."""
-        if self._pid != os.getpid():
+        if self._pid != _me[0]:
             self._forked()
         if not block:
             return (False,)
@@ -294,7 +304,7 @@ class Channel:
         if handle is None or len(data) > SIDE_MAX:
             self.send(data, ctx.wire_fds(), block, timeout)
             return
-        if self._pid != os.getpid():
+        if self._pid != _me[0]:
             self._forked()
         ring, user = self.ring, cast(memoryview, self.ring.user)
         w = user[_READER]
@@ -303,7 +313,7 @@ class Channel:
             self.send(data, ctx.wire_fds(), block, timeout)
             return
         if w & _PID and 1 + _HELD_HEAD.size + len(data) <= ring.payload_max:
-            record = b"".join((_HELD, _HELD_HEAD.pack(os.getpid(), seg_fd, seg_ino, shard_fd,
+            record = b"".join((_HELD, _HELD_HEAD.pack(_me[0], seg_fd, seg_ino, shard_fd,
                                                       shard_ino, w), data))
             try:
                 ring.put(record, block, timeout, hook=self._named(
@@ -344,7 +354,7 @@ class Channel:
         The record also carries this process's fds of the memory, through which another
         reader (the channel's readers changed meanwhile) holds it, as for a record of an
         earlier generation."""
-        if self._pid != os.getpid():
+        if self._pid != _me[0]:
             self._forked()
         ring, user, lane = self.ring, cast(memoryview, self.ring.user), cast(LaneContext, ctx)
         w = user[_READER]
@@ -463,7 +473,7 @@ class Channel:
         receive took and did not hand over, else the ring's next (waiting as
         ``queue.Queue.get`` does, ``queue.Empty`` at the deadline).  ``Lost`` for a
         message another process's interrupted receive took the body of."""
-        if self._pid != os.getpid():
+        if self._pid != _me[0]:
             self._forked()
         me = threading.get_ident()
         while self._handing and self._handing != me:
@@ -636,7 +646,7 @@ class Channel:
         earlier generations' files no record from ``head`` on names, unless a thread of
         this process is receiving (it sweeps itself as it drains or waits).  True while
         anything is kept."""
-        if self._pid != os.getpid():
+        if self._pid != _me[0]:
             return False  # a forked copy: its files closed as the fork ended (_after_fork)
         if not self.turn.acquire(False):
             return bool(self._keep or self._old)
@@ -960,7 +970,7 @@ class Channel:
     def poll(self, timeout: float | None = 0.0) -> bool:
         """Whether a message waits for this process, after waiting up to ``timeout``
         seconds (None: until one comes) for one, without taking it."""
-        if self._pid != os.getpid():
+        if self._pid != _me[0]:
             self._forked()
         return bool(self._taken) or self.ring.poll(timeout)
 
