@@ -436,11 +436,13 @@ class _ShmQueue(_OnChannel, _QueueBase):
         """As the stdlib's (a no-op for a queue never put to: its socket closes with the
         queue, and ``empty()`` still answers); raises a send failure the feeder met and
         nothing has raised yet."""
+        self._feeder_finalizers()
         super().close()
         self._raise_failures("the queue is closed")
 
     def join_thread(self) -> None:
         """As the stdlib's; then raises a send failure the feeder met while flushing."""
+        self._feeder_finalizers()
         super().join_thread()
         self._raise_failures("the feeder thread has exited")
 
@@ -475,13 +477,20 @@ class _ShmQueue(_OnChannel, _QueueBase):
         self._feeder_finalizers()
 
     def _feeder_finalizers(self) -> None:
-        """The stdlib's finalizers of a started feeder: joined at exit, sent its sentinel."""
-        if not self._joincancelled:
+        """The stdlib's finalizers of a started feeder (joined at exit, sent its
+        sentinel at close), each made where it is missing: also at ``close`` and
+        ``join_thread``, for a feeder whose start a signal handler's exception cut short
+        between the two (a close that sends no sentinel would leave ``join_thread``
+        waiting for good)."""
+        if self._thread is None:
+            return
+        if self._close is None and not self._closed:
             # (the stdlib's private finalizers are not in its stubs)
+            self._close = Finalize(self, _mpq.Queue._finalize_close,  # type: ignore[attr-defined]
+                                   [self._buffer, self._notempty], exitpriority=10)
+        if self._jointhread is None and not self._joincancelled:
             self._jointhread = Finalize(self._thread, _mpq.Queue._finalize_join,  # type: ignore[attr-defined]
                                         [weakref.ref(self._thread)], exitpriority=-5)
-        self._close = Finalize(self, _mpq.Queue._finalize_close,  # type: ignore[attr-defined]
-                               [self._buffer, self._notempty], exitpriority=10)
 
     @staticmethod
     def _feed(buffer: collections.deque[Any], notempty: threading.Condition,

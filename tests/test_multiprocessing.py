@@ -416,6 +416,25 @@ def test_a_put_cut_short_by_a_signal_handler_leaves_no_lock_held(joinable):
         q.join_thread()
 
 
+@pytest.mark.parametrize("missing", ["_close", "_jointhread"])
+def test_a_feeder_whose_finalizers_a_signal_cut_short_still_closes_and_joins(missing):
+    """A signal handler's exception between the feeder's start and its two finalizers
+    (``_feeder_finalizers``) left one unregistered: ``close`` then sent no sentinel, and
+    ``join_thread`` waited for good.  Both are made where missing at close and join."""
+    import threading
+    q = smp.get_context("spawn").Queue()
+    q.put("x")
+    assert q.get(timeout=JOIN) == "x"
+    getattr(q, missing).cancel()  # as if its registration never happened
+    setattr(q, missing, None)
+    feeder = q._thread
+    joined = threading.Thread(target=lambda: (q.close(), q.join_thread()), daemon=True)
+    joined.start()
+    joined.join(JOIN)
+    assert not joined.is_alive(), "close() and join_thread() did not return"
+    assert not feeder.is_alive(), "join_thread() returned before the feeder ended"
+
+
 def test_a_queue_still_works_after_a_signal_handler_raised_all_through_its_puts():
     """A SIGALRM handler raising every 20-400 us while the main thread puts (small
     messages, arrays copied into segments, bodies the feeder sends) and gets: afterwards
