@@ -925,11 +925,13 @@ class Channel:
     def _through_lot(self, number: int, ino: int, opened: list[int]) -> int:
         """Under the readers' lock (so that no other reader misses a datagram this one
         has in hand), taking record ``number``: take every parking datagram, park again
-        those a record from ``number`` on may need and close the others.  Where one has
-        the file of inode ``ino``, a new fd of it goes into ``opened``.  Returns the
-        datagrams parked again, or for ``ino``, whether the file was found."""
+        the files a record from ``number`` on may need, merged into as few datagrams as
+        they fit (the socket queues few: ``net.unix.max_dgram_qlen``), each under the
+        latest tail of those it merges, and close the others.  Where one is the file of
+        inode ``ino``, a new fd of it goes into ``opened``.  Returns the datagrams parked
+        again, or for ``ino``, whether the file was found."""
         sock = self._side_w
-        again = found = 0
+        found, top, files = 0, 0, dict[int, int]()  # files: inode -> fd (in ``taken``)
         taken: list[Any] = []  # recvmsg results, each stored by the call's own step
         try:
             while sock.fileno() >= 0:  # all taken first: one parked again comes back
@@ -944,13 +946,14 @@ class Channel:
                 tail, n = _PARK_HEAD.unpack_from(data)
                 if tail <= number or len(data) != _PARK_HEAD.size + 8 * n or len(fds) != n:
                     continue  # stale: every record it served was taken (or junk)
-                inos = struct.unpack_from(f"={n}Q", data, _PARK_HEAD.size)
-                again += _to_lot(self.ring, self._side_r, data, fds)
-                if ino and not found and ino in inos:
-                    fd = fds[inos.index(ino)]
-                    if os.fstat(fd).st_ino == ino:
-                        _consume(map(opened.append, map(os.dup, (fd,))))
-                        found = 1
+                top = max(top, tail)
+                for i, fd in zip(struct.unpack_from(f"={n}Q", data, _PARK_HEAD.size), fds):
+                    files.setdefault(i, fd)
+            again = _send_files(self.ring, self._side_r, top, files)
+            fd = files.get(ino, -1) if ino else -1
+            if fd >= 0 and os.fstat(fd).st_ino == ino:
+                _consume(map(opened.append, map(os.dup, (fd,))))
+                found = 1
         finally:
             scm_rights.close_fds(scm_rights._collect(taken)[0])
         return found if ino else again
@@ -1298,7 +1301,7 @@ def _park(ring: Ring, side_r: socket.socket, keep: dict[int, int],
                 shard_no = ofd_lease.file_of(shard_ino)
             files.setdefault(seg_ino, (seg_no, False))
             files.setdefault(shard_ino, (shard_no, True))
-        fds, inos = [], []
+        sent: dict[int, int] = {}
         for ino, (fd, lease) in files.items():
             try:
                 if not ino or fd < 0 or os.fstat(fd).st_ino != ino:
@@ -1309,16 +1312,22 @@ def _park(ring: Ring, side_r: socket.socket, keep: dict[int, int],
                     fd = opened[-1]
             except OSError:
                 continue
-            fds.append(fd)
-            inos.append(ino)
-        for i in range(0, len(fds), _PARK_FDS):
-            part = inos[i:i + _PARK_FDS]
-            _to_lot(ring, side_r, _PARK_HEAD.pack(tail, len(part))
-                    + struct.pack(f"={len(part)}Q", *part), fds[i:i + _PARK_FDS])
+            sent[ino] = fd
+        _send_files(ring, side_r, tail, sent)
     except (OSError, ValueError):  # the ring or the socket closed already
         pass
     finally:
         scm_rights.close_fds(opened)
+
+
+def _send_files(ring: Ring, side_r: socket.socket, tail: int, files: dict[int, int]) -> int:
+    """Park ``files`` (inode -> fd) for the records below ``tail``: the datagrams sent."""
+    inos, sent = list(files), 0
+    for i in range(0, len(inos), _PARK_FDS):
+        part = inos[i:i + _PARK_FDS]
+        sent += _to_lot(ring, side_r, _PARK_HEAD.pack(tail, len(part))
+                        + struct.pack(f"={len(part)}Q", *part), [files[k] for k in part])
+    return sent
 
 
 def _to_lot(ring: Ring, side_r: socket.socket, data: bytes, fds: list[int]) -> int:

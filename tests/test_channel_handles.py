@@ -23,6 +23,7 @@ import pytest
 import shmtensor
 import shmtensor.multiprocessing as smp
 from shmtensor import _channel
+from shmtensor.ipc import scm_rights
 
 from conftest import JOIN, join_all
 from handle_helpers import (OWN, echo, echo_and_own, echo_later, put_after_first, put_again,
@@ -225,6 +226,43 @@ def test_arrays_whose_writer_and_reader_were_both_killed_are_lost_with_an_error(
             q.get(timeout=JOIN)
     q.put("after")
     assert q.get(timeout=JOIN) == "after"
+    q.close()
+
+
+def test_the_lot_merges_what_it_parks_again_and_keeps_one_file_per_inode(lc):
+    # the socket queues few datagrams (net.unix.max_dgram_qlen, 10 by default): a reader
+    # going through the lot parks its files again in as few as they fit, the latest tail
+    ctx = smp.get_context("fork")
+    q = ctx.Queue()
+    chan = q._chan
+    files = [os.memfd_create("lot") for _ in range(6)]
+    try:
+        inos = [os.fstat(fd).st_ino for fd in files]
+        for k, (fd, ino) in enumerate(zip(files, inos)):
+            for _ in range(2 if k == 0 else 1):  # the first file parked twice
+                data = _channel._PARK_HEAD.pack(100 + k, 1) + struct.pack("=Q", ino)
+                assert _channel._to_lot(chan.ring, chan._side_r, data, [fd]) == 1
+    finally:
+        for fd in files:
+            os.close(fd)
+    fds = _fds()
+    opened: list[int] = []
+    assert chan._through_lot(99, inos[3], opened) == 1  # found, the rest parked again
+    assert len(opened) == 1 and os.fstat(opened[0]).st_ino == inos[3]
+    os.close(opened[0])
+    assert chan._through_lot(99, 0, []) == 1  # one datagram left in the lot
+    msg = chan._side_w.recvmsg(_channel._PARK_MAX, socket.CMSG_SPACE(64 * 4),
+                               socket.MSG_DONTWAIT)
+    got = scm_rights._collect((msg,))[0]
+    try:
+        tail, n = _channel._PARK_HEAD.unpack_from(msg[0])
+        assert (tail, n) == (105, 6)
+        assert sorted(struct.unpack_from("=6Q", msg[0], _channel._PARK_HEAD.size)) \
+            == sorted(inos)
+        assert sorted(os.fstat(fd).st_ino for fd in got) == sorted(inos)
+    finally:
+        scm_rights.close_fds(got)
+    assert _fds() <= fds
     q.close()
 
 
