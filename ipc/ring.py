@@ -547,16 +547,26 @@ class Ring:
         is then whole (or its writer dead).  ``TimeoutError`` after ``timeout`` seconds
         (a writer may hold the lock while it waits for room).  ``then()``: called while
         the lock is held, so no write is in progress meanwhile."""
+        self._sync(_W_LOCK, _W_SLEEPS_I, timeout, then)
+
+    def sync_readers(self, timeout: float | None = None,
+                     then: Callable[[], object] | None = None) -> None:
+        """:meth:`sync_writers` with the readers' lock: ``then()`` runs while no reader
+        takes a record (a reader that waits on an empty ring holds the lock: then
+        ``TimeoutError``)."""
+        self._sync(_R_LOCK, _R_SLEEPS_I, timeout, then)
+
+    def _sync(self, offset: int, flag: int, timeout: float | None,
+              then: Callable[[], object] | None) -> None:
         if self._q is None:
             raise self._refusal(0)
-        lock = self._base + _W_LOCK
+        lock = self._base + offset
         nested = False  # as in put
         try:
             rc = _trylock(lock)
             if rc:
                 nested = rc == _EDEADLK
-                self._take(lock, rc, _W_SLEEPS_I, True, _deadline(True, timeout),
-                           TimeoutError)
+                self._take(lock, rc, flag, True, _deadline(True, timeout), TimeoutError)
             if then is not None:
                 then()
         except BaseException:

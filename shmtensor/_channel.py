@@ -85,15 +85,19 @@ _PID = 0xFFFFFFFF
 # names no sole reader.  Stored just before the reader word, as readers store it.
 _MAKER = 4
 _TAG_MASK = (1 << 48) - 1
-# The ring's user word that counts the parking datagrams sent (see _park): a hint that
-# some may wait in the lot, set back to 0 only by a reader that found every one stale.
+# The ring's user word that counts the fds in the lot (see _park), roughly: parkers add
+# theirs, a reader that went through the lot sets what it parked again (0: none).
 _PARKED = 5
+# A reader word that names nobody, of a new generation: the sole reader let go of the
+# queue (writers send with fds; the next reader to take a record is the sole reader)
+_VACANT = 0xFFFF << 32
 # A parking datagram, sent the other way on the side socket (into the writing end's
 # receive queue, which nothing else reads): the ring's tail when it was sent (every
 # record it serves is below it), how many files, then their inodes; their fds with it.
 _PARK_HEAD = struct.Struct("=QH")
 _PARK_FDS = 250  # files per parking datagram (the kernel takes at most 253 fds in one)
 _PARK_MAX = _PARK_HEAD.size + 8 * _PARK_FDS
+_FD_MARGIN = 16  # fds a pass through the lot leaves free under the fd limit
 _LOT_SECONDS = 1.0  # how often a reader looks through the lot while the hint is set
 _UNSYNCED = 1 << 62  # see _sent_back_until
 _ANNOUNCED_MAX = 1024  # what a writer remembers having announced, per channel
@@ -494,6 +498,9 @@ class Channel:
                 except queue.Empty:
                     if not taken:
                         self._drop_unwritten()
+                        if (cast(memoryview, self.ring.user)[_PARKED]
+                                and time.monotonic() >= self._lot_at):
+                            self._idle_lot()
                         if self._origin and time.monotonic() >= self._sweep_at:
                             self._sweep()
                         if self._old:  # every record was taken: close what none names
@@ -589,7 +596,7 @@ class Channel:
         index = (w >> 32) & 0xFFFF
         if w & _PID == pid and index == ring.index:
             new = w  # named already (by another of this process's channels of the ring)
-        elif w == 0 or (w & _PID and not ring.alive(index)):
+        elif w == 0 or (w & _PID and not ring.alive(index)) or w & _VACANT == _VACANT:
             new = _word(w, ring.index, pid)
         elif w & _PID:
             new = _word(w, 0, 0)  # another live reader: several
@@ -610,9 +617,7 @@ class Channel:
         """Store the reader word ``new`` (under the readers' lock), its maker word first:
         this process's tag where the word names it, a writer that reads both words
         seeing the same generation in each reads one reader's."""
-        user = cast(memoryview, self.ring.user)
-        user[_MAKER] = (new >> 48) << 48 | _tag(process_tag()) if new & _PID else 0
-        user[_READER] = new
+        _name_reader_word(self.ring, new)
 
     def _retire(self) -> None:
         """What this reader kept becomes old: records up to the tail may name it."""
@@ -913,29 +918,45 @@ class Channel:
             _park(self.ring, self._side_r, self._keep, self._old)
 
     def _clean_lot(self, number: int) -> None:
-        """Under the readers' lock, taking record ``number``: close the parked files no
-        record from it on may name, park the others again; and clear the hint once none
-        is left (unless another process parked meanwhile, which counted it up)."""
+        """Under the readers' lock, taking record ``number`` (or with the ring empty,
+        ``head``): close the parked files no record from it on may name, park the others
+        again."""
         self._lot_at = time.monotonic() + _LOT_SECONDS
-        user = cast(memoryview, self.ring.user)
-        seen = user[_PARKED]
-        if not self._through_lot(number, 0, []) and user[_PARKED] == seen:
-            user[_PARKED] = 0
+        self._through_lot(number, 0, [])
+
+    def _idle_lot(self) -> None:
+        """With the ring found empty: go through the lot under the readers' lock, taken
+        without waiting (another reader waits, or takes a record, and does it then), so
+        that parked files whose records were all taken pin nothing while the queue
+        idles."""
+        ring = self.ring
+        try:
+            ring.sync_readers(0.0, lambda: self._clean_lot(ring.head))
+        except (TimeoutError, OSError, ValueError):
+            self._lot_at = time.monotonic() + _LOT_SECONDS
 
     def _through_lot(self, number: int, ino: int, opened: list[int]) -> int:
         """Under the readers' lock (so that no other reader misses a datagram this one
-        has in hand), taking record ``number``: take every parking datagram, park again
-        the files a record from ``number`` on may need, merged into as few datagrams as
-        they fit (the socket queues few: ``net.unix.max_dgram_qlen``), each under the
-        latest tail of those it merges, and close the others.  Where one is the file of
-        inode ``ino``, a new fd of it goes into ``opened``.  Returns the datagrams parked
-        again, or for ``ino``, whether the file was found."""
-        sock = self._side_w
+        has in hand), taking record ``number``: take the parking datagrams (as many as
+        this process has fds free for: a datagram whose fds it could not take would lose
+        them), park again the files a record from ``number`` on may need, merged into as
+        few datagrams as they fit under the latest tail of those it merges (each fd in
+        flight counts against its sender's user's fd limit), and close the others.
+        Where one is the file of inode ``ino``, a new fd of it goes into ``opened``.
+        Returns the datagrams parked again, or for ``ino``, whether the file was found."""
+        sock, user = self._side_w, cast(memoryview, self.ring.user)
         found, top, files = 0, 0, dict[int, int]()  # files: inode -> fd (in ``taken``)
         taken: list[Any] = []  # recvmsg results, each stored by the call's own step
+        seen = user[_PARKED]
+        room = _fds_free() - _FD_MARGIN
         try:
             while sock.fileno() >= 0:  # all taken first: one parked again comes back
                 try:
+                    head = sock.recv(_PARK_HEAD.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                    n = _PARK_HEAD.unpack(head)[1] if len(head) == _PARK_HEAD.size else 1
+                    if n > room:
+                        break  # left for a pass with fds to spare
+                    room -= n
                     taken.extend(starmap(sock.recvmsg, ((_PARK_MAX, _ANC, _TAKE),)))
                 except OSError:  # empty (BlockingIOError), or closed
                     break
@@ -949,9 +970,13 @@ class Channel:
                 top = max(top, tail)
                 for i, fd in zip(struct.unpack_from(f"={n}Q", data, _PARK_HEAD.size), fds):
                     files.setdefault(i, fd)
-            again = _send_files(self.ring, self._side_r, top, files)
+            again = _send_files(self._side_r, top, files)
+            # the hint: what this pass parked again, and what others parked meanwhile
+            user[_PARKED] = max(0, user[_PARKED] - seen) + (len(files) if again else 0)
             fd = files.get(ino, -1) if ino else -1
-            if fd >= 0 and os.fstat(fd).st_ino == ino:
+            if self._dev < 0:
+                self._dev = os.fstat(self.ring.fd).st_dev
+            if fd >= 0 and _same_file(fd, self._dev, ino):
                 _consume(map(opened.append, map(os.dup, (fd,))))
                 found = 1
         finally:
@@ -1285,10 +1310,22 @@ def _park(ring: Ring, side_r: socket.socket, keep: dict[int, int],
     try:
         if side_r.fileno() < 0:
             return
-        head, tail = ring.head, ring.tail
-        me, files = os.getpid(), dict[int, tuple[int, bool]]()  # inode -> (fd, lease file)
+        me, user = os.getpid(), cast(memoryview, ring.user)
+        w = user[_READER]
+        ahead = 0  # records a write in progress may still add under the old word
+        if w & _PID == me and (w >> 32) & 0xFFFF == ring.index:
+            # the sole reader lets go: writers send with fds from now on (else a writer
+            # that goes on sending to it, then is killed, would lose those records), and
+            # the writes begun under the old word are whole first, or counted in the tail
+            _name_reader_word(ring, _word(w, 0, 0) | _VACANT)
+            try:
+                ring.sync_writers(0)
+            except TimeoutError:
+                ahead = 1
+        head, tail = ring.head, ring.tail + ahead
+        files = dict[int, tuple[int, bool]]()  # inode -> (fd, lease file)
         olds = [k for _, k in old]
-        for number in range(head, tail):
+        for number in range(head, tail - ahead):
             rec = ring.peek(number, 1 + _FWD_HEAD.size + _HELD_HEAD.size)
             kind = rec[:1] if rec else b""
             at = 1 + _FWD_HEAD.size if kind == _FWD else 1 if kind == _HELD else 0
@@ -1313,33 +1350,66 @@ def _park(ring: Ring, side_r: socket.socket, keep: dict[int, int],
             except OSError:
                 continue
             sent[ino] = fd
-        _send_files(ring, side_r, tail, sent)
+        if sent and user[_PARKED] + len(sent) <= _lot_max():
+            if _send_files(side_r, tail, sent):
+                user[_PARKED] += len(sent)
     except (OSError, ValueError):  # the ring or the socket closed already
         pass
     finally:
         scm_rights.close_fds(opened)
 
 
-def _send_files(ring: Ring, side_r: socket.socket, tail: int, files: dict[int, int]) -> int:
+def _lot_max() -> int:
+    """The fds the lot of a queue holds at most: each fd in flight counts against its
+    sender's user's fd limit, which every fd-passing send of that user then shares (past
+    it, sends fail with ``ETOOMANYREFS``)."""
+    return max(8, ofd_lease.kept_budget() // 2)
+
+
+def _fds_free() -> int:
+    """How many more fds this process may open (its soft limit, less those open)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 20
+    try:
+        return soft - len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+
+
+def _same_file(fd: int, dev: int, ino: int) -> bool:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return st.st_ino == ino and st.st_dev == dev
+
+
+def _name_reader_word(ring: Ring, new: int) -> None:
+    """Store the reader word ``new`` and its maker word (see ``Channel._name_reader``)."""
+    user = cast(memoryview, ring.user)
+    user[_MAKER] = (new >> 48) << 48 | _tag(process_tag()) if new & _PID else 0
+    user[_READER] = new
+
+
+def _send_files(side_r: socket.socket, tail: int, files: dict[int, int]) -> int:
     """Park ``files`` (inode -> fd) for the records below ``tail``: the datagrams sent."""
     inos, sent = list(files), 0
     for i in range(0, len(inos), _PARK_FDS):
         part = inos[i:i + _PARK_FDS]
-        sent += _to_lot(ring, side_r, _PARK_HEAD.pack(tail, len(part))
+        sent += _to_lot(side_r, _PARK_HEAD.pack(tail, len(part))
                         + struct.pack(f"={len(part)}Q", *part), [files[k] for k in part])
     return sent
 
 
-def _to_lot(ring: Ring, side_r: socket.socket, data: bytes, fds: list[int]) -> int:
-    """Send one parking datagram (its fds duplicated in flight) and count it in the
-    hint, after: 1, or 0 where the socket had no room."""
+def _to_lot(side_r: socket.socket, data: bytes, fds: list[int]) -> int:
+    """Send one parking datagram (its fds duplicated in flight): 1, or 0 where the
+    socket had no room (or the sender's user has too many fds in flight)."""
     try:
         side_r.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                  array.array("i", fds))], socket.MSG_DONTWAIT)
     except OSError:
         return 0
-    user = cast(memoryview, ring.user)
-    user[_PARKED] += 1
     return 1
 
 

@@ -66,13 +66,16 @@ def put_six(q, took_one, took_two):
     q.join_thread()
 
 
-def put_six_and_wait(q, took_one, took_two, written, stop):
+def put_six_and_wait(q, took_one, took_two, written, stop, gone=None):
     """As :func:`put_six`, but keep the queue open: say when all six records are in the
-    ring (``written``), then wait (to be killed)."""
+    ring (``written``), then wait (to be killed).  With ``gone``: put the last four once
+    it is set."""
     q.put(shmtensor.full((64,), 0, dtype=np.int64))
     took_one.wait(60)
     q.put(shmtensor.full((64,), 1, dtype=np.int64))
     took_two.wait(60)
+    if gone is not None:
+        gone.wait(60)
     for i in range(2, 6):
         q.put(shmtensor.full((64,), i, dtype=np.int64))
     deadline = time.monotonic() + 60
@@ -80,6 +83,15 @@ def put_six_and_wait(q, took_one, took_two, written, stop):
         time.sleep(0.01)  # the feeder writes them
     written.set()
     stop.wait(60)
+
+
+def take_two_and_exit(q, took_one, took_two):
+    """Be the queue's sole reader for two arrays, then exit (nothing left unread)."""
+    kept = [q.get(timeout=60)]
+    took_one.set()
+    kept.append(q.get(timeout=60))
+    took_two.set()
+    del kept
 
 
 def put_six_simple(q, took_one, took_two):

@@ -28,7 +28,8 @@ from shmtensor.ipc import scm_rights
 from conftest import JOIN, join_all
 from handle_helpers import (OWN, echo, echo_and_own, echo_later, put_after_first, put_again,
                             put_again_then_free, put_and_free, put_fresh, put_many, put_six,
-                            put_six_and_wait, put_six_simple, take_two_simple_and_wait,
+                            put_six_and_wait, put_six_simple, take_two_and_exit,
+                            take_two_simple_and_wait,
                             stream_and_count_slabs,
                             take_all, take_and_report, take_first_then_rest,
                             take_two_and_wait, three_then_none)
@@ -129,8 +130,13 @@ def test_a_reader_after_a_killed_sole_reader_gets_arrays_through_their_writer(lc
 
 
 def _lot_is_cleaned(q) -> None:
-    """The lot is empty and its hint cleared once a record past what it served is taken
-    (with ``_LOT_SECONDS`` 0)."""
+    """The lot is empty and its hint cleared once its reader idles on the empty queue
+    (with ``_LOT_SECONDS`` 0), and stays so as records come."""
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.05)
+    assert q._chan.ring.user[_channel._PARKED] == 0
+    with pytest.raises(BlockingIOError):
+        q._chan._side_w.recvmsg(1, 0, socket.MSG_DONTWAIT)
     q.put("after")
     assert q.get(timeout=JOIN) == "after"
     assert q._chan.ring.user[_channel._PARKED] == 0
@@ -206,6 +212,92 @@ def test_a_reader_that_exits_with_records_unread_parks_what_it_kept(lc, monkeypa
     q.close()
 
 
+def test_a_sole_reader_that_exits_makes_writers_send_with_fds_again(lc):
+    # The sole reader took two arrays (the slab announced, kept) and exited with nothing
+    # unread: it left the reader word vacant, so the writer's later arrays went with
+    # their fds, and survive the writer's SIGKILL.
+    ctx = smp.get_context("fork")
+    q, took_one, took_two, stop, written, gone = (ctx.Queue(), ctx.Event(), ctx.Event(),
+                                                  ctx.Event(), ctx.Event(), ctx.Event())
+    r = ctx.Process(target=take_two_and_exit, args=(q, took_one, took_two))
+    w = ctx.Process(target=put_six_and_wait,
+                    args=(q, took_one, took_two, written, stop, gone))
+    r.start()
+    w.start()
+    join_all(r)
+    assert r.exitcode == 0
+    word = q._chan.ring.user[_channel._READER]
+    assert word & _channel._VACANT == _channel._VACANT and not word & _channel._PID
+    gone.set()
+    assert written.wait(JOIN)
+    os.kill(w.pid, signal.SIGKILL)
+    join_all(w)
+    assert _values([q.get(timeout=JOIN) for _ in range(4)]) == [2, 3, 4, 5]
+    q.close()
+
+
+def test_the_lot_holds_no_more_fds_than_its_cap(lc, monkeypatch):
+    # each fd in flight counts against its sender's user's fd limit: past the cap a
+    # process parks nothing (and the records of a writer and a reader both gone are lost)
+    monkeypatch.setattr(_channel, "_lot_max", lambda: 1)
+    ctx = smp.get_context("fork")
+    q, took_one, took_two, stop = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
+    r = ctx.Process(target=take_two_and_wait, args=(q, took_one, took_two, stop))
+    w = ctx.Process(target=put_six, args=(q, took_one, took_two))
+    r.start()
+    w.start()
+    join_all(w)
+    os.kill(r.pid, signal.SIGKILL)
+    join_all(r)
+    assert q._chan.ring.user[_channel._PARKED] == 0
+    for _ in range(4):
+        with pytest.raises(OSError, match="neither its writer"):
+            q.get(timeout=JOIN)
+    q.close()
+
+
+def test_a_pass_through_the_lot_takes_only_what_its_fds_allow(lc):
+    # A reader short of fds takes no datagram whose fds it could not all take (the
+    # kernel would drop them): what it leaves stays parked for a later pass.
+    import resource
+    ctx = smp.get_context("fork")
+    q = ctx.Queue()
+    chan = q._chan
+    inos = []
+    for _ in range(3):
+        files = [os.memfd_create("lot") for _ in range(100)]
+        try:
+            part = [os.fstat(fd).st_ino for fd in files]
+            inos += part
+            data = _channel._PARK_HEAD.pack(1000, 100) + struct.pack("=100Q", *part)
+            assert _channel._to_lot(chan._side_r, data, files) == 1
+        finally:
+            for fd in files:
+                os.close(fd)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    opened: list[int] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE,
+                       (len(_fds()) + _channel._FD_MARGIN + 150, hard))
+    try:
+        assert not chan._through_lot(0, inos[250], opened)  # in the third: not taken
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert chan._through_lot(0, inos[250], opened)  # with fds to spare
+    os.close(opened.pop())
+    got = []
+    while True:
+        try:
+            msg = chan._side_w.recvmsg(_channel._PARK_MAX, socket.CMSG_SPACE(253 * 4),
+                                       socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            break
+        fds = scm_rights._collect((msg,))[0]
+        got += [os.fstat(fd).st_ino for fd in fds]
+        scm_rights.close_fds(fds)
+    assert sorted(got) == sorted(inos)  # nothing lost on the way
+    q.close()
+
+
 def test_arrays_whose_writer_and_reader_were_both_killed_are_lost_with_an_error(lc):
     # Nobody parked their files: each is lost with an error that names both processes,
     # and the queue goes on.
@@ -241,7 +333,7 @@ def test_the_lot_merges_what_it_parks_again_and_keeps_one_file_per_inode(lc):
         for k, (fd, ino) in enumerate(zip(files, inos)):
             for _ in range(2 if k == 0 else 1):  # the first file parked twice
                 data = _channel._PARK_HEAD.pack(100 + k, 1) + struct.pack("=Q", ino)
-                assert _channel._to_lot(chan.ring, chan._side_r, data, [fd]) == 1
+                assert _channel._to_lot(chan._side_r, data, [fd]) == 1
     finally:
         for fd in files:
             os.close(fd)
@@ -279,7 +371,7 @@ def test_the_lot_ignores_what_is_not_a_parking_datagram(lc):
         for data, fds in ((b"x", [r]),
                           (_channel._PARK_HEAD.pack(tail, 2) + struct.pack("=2Q", 1, 2), [r]),
                           (_channel._PARK_HEAD.pack(tail, 1) + struct.pack("=Q", 1), [w])):
-            assert _channel._to_lot(chan.ring, chan._side_r, data, fds) == 1
+            assert _channel._to_lot(chan._side_r, data, fds) == 1
     finally:
         os.close(r)
         os.close(w)
