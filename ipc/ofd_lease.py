@@ -56,7 +56,7 @@ _consume = deque[object](maxlen=0).extend  # runs an iterator out, in C
 __all__ = ["HAVE_OFD_LOCKS", "LeaseTable", "own_table", "SHARDS", "hold", "lock_shared",
            "establish", "release", "release_many", "inflight_fd", "sendable", "kept_budget",
            "holdings_kept", "probe_held", "forget_idle", "shed_kept", "retry_after_shedding",
-           "own_fds", "table_count", "file_of", "before_fork", "after_fork_in_parent",
+           "own_fds", "table_count", "file_of", "held_files", "before_fork", "after_fork_in_parent",
            "after_fork_in_child"]
 
 HAVE_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")
@@ -397,6 +397,24 @@ def holder(table_id: str, slot: int) -> tuple[int, int]:
         except OSError:  # let go of meanwhile
             return -1, 0
     return fd, h.inos[k]
+
+
+def held_files() -> list[tuple[int, int]]:
+    """(inode, fd) of each description of a peer table file this process has (see
+    :func:`file_of`)."""
+    out = []
+    for h in list(_holdings.values()):
+        with h.lock:
+            for k, fd in enumerate(h.fds):
+                if fd < 0:
+                    continue
+                if not h.inos[k]:
+                    try:
+                        h.inos[k] = os.fstat(fd).st_ino
+                    except OSError:
+                        continue
+                out.append((h.inos[k], fd))
+    return out
 
 
 def file_of(ino: int) -> int:

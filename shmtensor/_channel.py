@@ -1308,23 +1308,30 @@ def _park(ring: Ring, side_r: socket.socket, keep: dict[int, int],
     once both processes are gone, as before)."""
     opened: list[int] = []
     try:
-        if side_r.fileno() < 0:
-            return
         me, user = os.getpid(), cast(memoryview, ring.user)
         w = user[_READER]
         ahead = 0  # records a write in progress may still add under the old word
         if w & _PID == me and (w >> 32) & 0xFFFF == ring.index:
-            # the sole reader lets go: writers send with fds from now on (else a writer
-            # that goes on sending to it, then is killed, would lose those records), and
-            # the writes begun under the old word are whole first, or counted in the tail
+            # the sole reader lets go (even with its reading end closed already): writers
+            # send with fds from now on (else a writer that goes on sending to it, then
+            # is killed, would lose those records), and the writes begun under the old
+            # word are whole first, or counted in the tail
             _name_reader_word(ring, _word(w, 0, 0) | _VACANT)
             try:
                 ring.sync_writers(0)
             except TimeoutError:
                 ahead = 1
+        if side_r.fileno() < 0:
+            return
         head, tail = ring.head, ring.tail + ahead
         files = dict[int, tuple[int, bool]]()  # inode -> (fd, lease file)
         olds = [k for _, k in old]
+        if ahead:  # the write in progress names files this reader was sent: all of them
+            for k in (keep, *olds):
+                for ino, fd in k.items():
+                    files.setdefault(ino, (fd, False))
+            for ino, fd in ofd_lease.held_files():
+                files.setdefault(ino, (fd, True))
         for number in range(head, tail - ahead):
             rec = ring.peek(number, 1 + _FWD_HEAD.size + _HELD_HEAD.size)
             kind = rec[:1] if rec else b""

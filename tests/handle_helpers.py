@@ -94,6 +94,25 @@ def take_two_and_exit(q, took_one, took_two):
     del kept
 
 
+def take_two_then(q, took_one, took_two, stop, close_reader):
+    """Be the queue's sole reader for two arrays, wait for ``stop``, then (with
+    ``close_reader``) close this process's reading end, and exit."""
+    kept = [q.get(timeout=60)]
+    took_one.set()
+    kept.append(q.get(timeout=60))
+    took_two.set()
+    stop.wait(60)
+    if close_reader:
+        q._reader.close()
+    del kept
+
+
+def hold_writers_lock(q, held, release):
+    """Hold the queue's ring's writers' lock (as a writer in the middle of a put) until
+    ``release``."""
+    q._chan.ring.sync_writers(None, lambda: (held.set(), release.wait(60)))
+
+
 def put_six_simple(q, took_one, took_two):
     """As :func:`put_six`, on a SimpleQueue, and exit without closing it."""
     q.put(shmtensor.full((64,), 0, dtype=np.int64))

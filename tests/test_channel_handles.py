@@ -28,7 +28,8 @@ from shmtensor.ipc import scm_rights
 from conftest import JOIN, join_all
 from handle_helpers import (OWN, echo, echo_and_own, echo_later, put_after_first, put_again,
                             put_again_then_free, put_and_free, put_fresh, put_many, put_six,
-                            put_six_and_wait, put_six_simple, take_two_and_exit,
+                            hold_writers_lock, put_six_and_wait, put_six_simple, take_two_and_exit,
+                            take_two_then,
                             take_two_simple_and_wait,
                             stream_and_count_slabs,
                             take_all, take_and_report, take_first_then_rest,
@@ -233,6 +234,69 @@ def test_a_sole_reader_that_exits_makes_writers_send_with_fds_again(lc):
     os.kill(w.pid, signal.SIGKILL)
     join_all(w)
     assert _values([q.get(timeout=JOIN) for _ in range(4)]) == [2, 3, 4, 5]
+    q.close()
+
+
+def _lot_inodes(q) -> list[int]:
+    """The inodes of the files in the queue's lot (taken out of it)."""
+    got = []
+    while True:
+        try:
+            msg = q._chan._side_w.recvmsg(_channel._PARK_MAX, socket.CMSG_SPACE(253 * 4),
+                                          socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return got
+        fds = scm_rights._collect((msg,))[0]
+        got += [os.fstat(fd).st_ino for fd in fds]
+        scm_rights.close_fds(fds)
+
+
+def test_a_sole_reader_that_lets_go_during_a_write_parks_all_it_kept(lc):
+    # A writer holds the writers' lock (in the middle of a put, under the old reader
+    # word) as the sole reader exits: that write may name any file the reader kept, so
+    # it parks them all, with nothing unread yet.
+    ctx = smp.get_context("fork")
+    q, took_one, took_two, stop, held, release = (ctx.Queue(), ctx.Event(), ctx.Event(),
+                                                  ctx.Event(), ctx.Event(), ctx.Event())
+    r = ctx.Process(target=take_two_then, args=(q, took_one, took_two, stop, False))
+    r.start()
+    sent = [shmtensor.full((64,), i, dtype=np.int64) for i in range(2)]
+    q.put(sent[0])
+    assert took_one.wait(JOIN)
+    q.put(sent[1])  # announces the slab: r keeps its memfd
+    assert took_two.wait(JOIN)
+    from shmtensor import _segments
+    slab = os.fstat(_segments.segment_of(sent[1]).fd).st_ino
+    lock = ctx.Process(target=hold_writers_lock, args=(q, held, release))
+    lock.start()
+    try:
+        assert held.wait(JOIN)
+        stop.set()
+        join_all(r)
+    finally:
+        release.set()
+        join_all(lock)
+    assert r.exitcode == 0 and lock.exitcode == 0
+    assert q._chan.ring.user[_channel._READER] & _channel._VACANT == _channel._VACANT
+    assert slab in _lot_inodes(q)
+    q.close()
+
+
+def test_a_sole_reader_that_closed_its_reading_end_still_leaves_the_word_vacant(lc):
+    ctx = smp.get_context("fork")
+    q, took_one, took_two, stop = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
+    r = ctx.Process(target=take_two_then, args=(q, took_one, took_two, stop, True))
+    r.start()
+    q.put(shmtensor.full((64,), 0, dtype=np.int64))
+    assert took_one.wait(JOIN)
+    q.put(shmtensor.full((64,), 1, dtype=np.int64))
+    assert took_two.wait(JOIN)
+    assert q._chan.ring.user[_channel._READER] & _channel._PID == r.pid
+    stop.set()
+    join_all(r)
+    assert r.exitcode == 0
+    word = q._chan.ring.user[_channel._READER]
+    assert word & _channel._VACANT == _channel._VACANT and not word & _channel._PID
     q.close()
 
 
