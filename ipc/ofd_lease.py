@@ -400,12 +400,13 @@ def holder(table_id: str, slot: int) -> tuple[int, int]:
 
 
 def held_files() -> list[tuple[int, int]]:
-    """(inode, fd) of each description of a peer table file this process has (see
-    :func:`file_of`)."""
+    """(inode, fd) of each description of a peer table file through which this process
+    holds slots (its description of the file, or a kept in-flight one): a new
+    description opened through one (``/proc/self/fd``) holds nothing."""
     out = []
     for h in list(_holdings.values()):
         with h.lock:
-            for k, fd in enumerate(h.fds):
+            for k, fd in chain(enumerate(h.fds), ((s % SHARDS, d) for s, d in h.by.items())):
                 if fd < 0:
                     continue
                 if not h.inos[k]:
@@ -418,22 +419,8 @@ def held_files() -> list[tuple[int, int]]:
 
 
 def file_of(ino: int) -> int:
-    """This process's fd of a description of the peer table file of inode ``ino`` (one it
-    holds slots of, through its description of the file or a kept in-flight one), or -1:
-    a new description opened through it (``/proc/self/fd``) holds nothing."""
-    for h in list(_holdings.values()):
-        with h.lock:
-            for k, fd in chain(enumerate(h.fds), ((s % SHARDS, d) for s, d in h.by.items())):
-                if fd < 0:
-                    continue
-                if not h.inos[k]:
-                    try:
-                        h.inos[k] = os.fstat(fd).st_ino
-                    except OSError:
-                        continue
-                if h.inos[k] == ino:
-                    return fd
-    return -1
+    """An fd of :func:`held_files` of the file of inode ``ino``, or -1."""
+    return next((fd for i, fd in held_files() if i == ino), -1)
 
 
 _kept = 0  # in-flight descriptions kept as holds, in all tables (under _kept_lock)

@@ -33,12 +33,7 @@ def put_many(q, n, base, size=128):
 def take_two_and_wait(q, took_one, took_two, stop):
     """Be the queue's sole reader: take two arrays (signalling each), keep them, and wait
     (to be killed)."""
-    kept = [q.get(timeout=60)]
-    took_one.set()
-    kept.append(q.get(timeout=60))
-    took_two.set()
-    stop.wait(60)
-    del kept
+    take_two_then(q, took_one, took_two, stop)
 
 
 def take_all(q, n, out):
@@ -53,17 +48,18 @@ def take_all(q, n, out):
     out.put((os.getpid(), got))
 
 
-def put_six(q, took_one, took_two):
+def put_six(q, took_one, took_two, close=True):
     """Put 0, then 1 once the reader took it (which announces the slab), then 2 to 5
-    once it took that (without fds), and exit."""
+    once it took that (without fds), and exit (closing the queue first)."""
     q.put(shmtensor.full((64,), 0, dtype=np.int64))
     took_one.wait(60)
     q.put(shmtensor.full((64,), 1, dtype=np.int64))
     took_two.wait(60)
     for i in range(2, 6):
         q.put(shmtensor.full((64,), i, dtype=np.int64))
-    q.close()
-    q.join_thread()
+    if close:
+        q.close()
+        q.join_thread()
 
 
 def put_six_and_wait(q, took_one, took_two, written, stop, gone=None):
@@ -85,23 +81,15 @@ def put_six_and_wait(q, took_one, took_two, written, stop, gone=None):
     stop.wait(60)
 
 
-def take_two_and_exit(q, took_one, took_two):
-    """Be the queue's sole reader for two arrays, then exit (nothing left unread)."""
-    kept = [q.get(timeout=60)]
-    took_one.set()
-    kept.append(q.get(timeout=60))
-    took_two.set()
-    del kept
-
-
-def take_two_then(q, took_one, took_two, stop, close_reader):
-    """Be the queue's sole reader for two arrays, wait for ``stop``, then (with
+def take_two_then(q, took_one, took_two, stop=None, close_reader=False):
+    """Be the queue's sole reader for two arrays, wait for ``stop`` (if any), then (with
     ``close_reader``) close this process's reading end, and exit."""
     kept = [q.get(timeout=60)]
     took_one.set()
     kept.append(q.get(timeout=60))
     took_two.set()
-    stop.wait(60)
+    if stop is not None:
+        stop.wait(60)
     if close_reader:
         q._reader.close()
     del kept
@@ -115,12 +103,7 @@ def hold_writers_lock(q, held, release):
 
 def put_six_simple(q, took_one, took_two):
     """As :func:`put_six`, on a SimpleQueue, and exit without closing it."""
-    q.put(shmtensor.full((64,), 0, dtype=np.int64))
-    took_one.wait(60)
-    q.put(shmtensor.full((64,), 1, dtype=np.int64))
-    took_two.wait(60)
-    for i in range(2, 6):
-        q.put(shmtensor.full((64,), i, dtype=np.int64))
+    put_six(q, took_one, took_two, close=False)
 
 
 def take_two_simple_and_wait(q, took_one, took_two, stop):

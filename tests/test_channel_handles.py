@@ -28,8 +28,7 @@ from shmtensor.ipc import scm_rights
 from conftest import JOIN, join_all
 from handle_helpers import (OWN, echo, echo_and_own, echo_later, put_after_first, put_again,
                             put_again_then_free, put_and_free, put_fresh, put_many, put_six,
-                            hold_writers_lock, put_six_and_wait, put_six_simple, take_two_and_exit,
-                            take_two_then,
+                            hold_writers_lock, put_six_and_wait, put_six_simple, take_two_then,
                             take_two_simple_and_wait,
                             stream_and_count_slabs,
                             take_all, take_and_report, take_first_then_rest,
@@ -149,15 +148,25 @@ def _values(arrays) -> list:
     return [int(a[0]) if (a == a[0]).all() else ("corrupt", int(a[0])) for a in arrays]
 
 
-def test_a_writer_that_closed_and_exited_parks_its_files_for_the_next_reader(lc, monkeypatch):
-    # The writer sent to this queue's sole reader without fds and exited (its feeder
-    # parked the files its records need as it closed); the reader was killed before it
-    # took them: the next reader finds them in the lot.
-    monkeypatch.setattr(_channel, "_LOT_SECONDS", 0.0)
-    ctx = smp.get_context("fork")
-    q, took_one, took_two, stop = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
+def _six_written(ctx, q):
+    """Start a sole reader that takes two arrays and waits (until ``stop``), and a writer
+    of six that waits (to be killed) once all are in the ring: (reader, writer, stop)."""
+    took_one, took_two, stop, written, hold = (ctx.Event(), ctx.Event(), ctx.Event(),
+                                               ctx.Event(), ctx.Event())
     r = ctx.Process(target=take_two_and_wait, args=(q, took_one, took_two, stop))
-    w = ctx.Process(target=put_six, args=(q, took_one, took_two))
+    w = ctx.Process(target=put_six_and_wait, args=(q, took_one, took_two, written, hold))
+    r.start()
+    w.start()
+    assert written.wait(JOIN)
+    return r, w, stop
+
+
+def _writer_gone_then_reader_killed(ctx, q, reader=take_two_and_wait, writer=put_six):
+    """Start a sole reader that takes two arrays and waits, and their writer of six; once
+    the writer exited, kill the reader."""
+    took_one, took_two, stop = ctx.Event(), ctx.Event(), ctx.Event()
+    r = ctx.Process(target=reader, args=(q, took_one, took_two, stop))
+    w = ctx.Process(target=writer, args=(q, took_one, took_two))
     r.start()
     w.start()
     join_all(w)
@@ -165,6 +174,16 @@ def test_a_writer_that_closed_and_exited_parks_its_files_for_the_next_reader(lc,
     os.kill(r.pid, signal.SIGKILL)
     join_all(r)
     assert r.exitcode == -signal.SIGKILL
+
+
+def test_a_writer_that_closed_and_exited_parks_its_files_for_the_next_reader(lc, monkeypatch):
+    # The writer sent to this queue's sole reader without fds and exited (its feeder
+    # parked the files its records need as it closed); the reader was killed before it
+    # took them: the next reader finds them in the lot.
+    monkeypatch.setattr(_channel, "_LOT_SECONDS", 0.0)
+    ctx = smp.get_context("fork")
+    q = ctx.Queue()
+    _writer_gone_then_reader_killed(ctx, q)
     assert q._chan.ring.user[_channel._PARKED] > 0
     assert _values([q.get(timeout=JOIN) for _ in range(4)]) == [2, 3, 4, 5]
     _lot_is_cleaned(q)
@@ -174,15 +193,8 @@ def test_a_writer_that_closed_and_exited_parks_its_files_for_the_next_reader(lc,
 def test_a_simple_queue_writer_that_exits_without_closing_parks_at_exit(lc, monkeypatch):
     monkeypatch.setattr(_channel, "_LOT_SECONDS", 0.0)
     ctx = smp.get_context("spawn")
-    q, took_one, took_two, stop = ctx.SimpleQueue(), ctx.Event(), ctx.Event(), ctx.Event()
-    r = ctx.Process(target=take_two_simple_and_wait, args=(q, took_one, took_two, stop))
-    w = ctx.Process(target=put_six_simple, args=(q, took_one, took_two))
-    r.start()
-    w.start()
-    join_all(w)
-    assert w.exitcode == 0
-    os.kill(r.pid, signal.SIGKILL)
-    join_all(r)
+    q = ctx.SimpleQueue()
+    _writer_gone_then_reader_killed(ctx, q, take_two_simple_and_wait, put_six_simple)
     assert _values([q.get() for _ in range(4)]) == [2, 3, 4, 5]
     q.put("after")
     assert q.get() == "after"
@@ -196,13 +208,8 @@ def test_a_reader_that_exits_with_records_unread_parks_what_it_kept(lc, monkeypa
     # and the next reader gets them.
     monkeypatch.setattr(_channel, "_LOT_SECONDS", 0.0)
     ctx = smp.get_context("fork")
-    q, took_one, took_two, stop, written, hold = (ctx.Queue(), ctx.Event(), ctx.Event(),
-                                                  ctx.Event(), ctx.Event(), ctx.Event())
-    r = ctx.Process(target=take_two_and_wait, args=(q, took_one, took_two, stop))
-    w = ctx.Process(target=put_six_and_wait, args=(q, took_one, took_two, written, hold))
-    r.start()
-    w.start()
-    assert written.wait(JOIN)
+    q = ctx.Queue()
+    r, w, stop = _six_written(ctx, q)
     os.kill(w.pid, signal.SIGKILL)
     join_all(w)
     stop.set()
@@ -220,7 +227,7 @@ def test_a_sole_reader_that_exits_makes_writers_send_with_fds_again(lc):
     ctx = smp.get_context("fork")
     q, took_one, took_two, stop, written, gone = (ctx.Queue(), ctx.Event(), ctx.Event(),
                                                   ctx.Event(), ctx.Event(), ctx.Event())
-    r = ctx.Process(target=take_two_and_exit, args=(q, took_one, took_two))
+    r = ctx.Process(target=take_two_then, args=(q, took_one, took_two))
     w = ctx.Process(target=put_six_and_wait,
                     args=(q, took_one, took_two, written, stop, gone))
     r.start()
@@ -305,14 +312,8 @@ def test_the_lot_holds_no_more_fds_than_its_cap(lc, monkeypatch):
     # process parks nothing (and the records of a writer and a reader both gone are lost)
     monkeypatch.setattr(_channel, "_lot_max", lambda: 1)
     ctx = smp.get_context("fork")
-    q, took_one, took_two, stop = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
-    r = ctx.Process(target=take_two_and_wait, args=(q, took_one, took_two, stop))
-    w = ctx.Process(target=put_six, args=(q, took_one, took_two))
-    r.start()
-    w.start()
-    join_all(w)
-    os.kill(r.pid, signal.SIGKILL)
-    join_all(r)
+    q = ctx.Queue()
+    _writer_gone_then_reader_killed(ctx, q)
     assert q._chan.ring.user[_channel._PARKED] == 0
     for _ in range(4):
         with pytest.raises(OSError, match="neither its writer"):
@@ -366,13 +367,8 @@ def test_arrays_whose_writer_and_reader_were_both_killed_are_lost_with_an_error(
     # Nobody parked their files: each is lost with an error that names both processes,
     # and the queue goes on.
     ctx = smp.get_context("fork")
-    q, took_one, took_two, stop, written, hold = (ctx.Queue(), ctx.Event(), ctx.Event(),
-                                                  ctx.Event(), ctx.Event(), ctx.Event())
-    r = ctx.Process(target=take_two_and_wait, args=(q, took_one, took_two, stop))
-    w = ctx.Process(target=put_six_and_wait, args=(q, took_one, took_two, written, hold))
-    r.start()
-    w.start()
-    assert written.wait(JOIN)
+    q = ctx.Queue()
+    r, w, stop = _six_written(ctx, q)
     for p in (w, r):
         os.kill(p.pid, signal.SIGKILL)
         join_all(p)
