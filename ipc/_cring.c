@@ -120,20 +120,26 @@ static int parse_shape(PyObject *const *args, uint32_t *capacity, uint32_t *reco
 static PyObject *answer(int code) { return PyLong_FromLong(code); }
 
 PyDoc_STRVAR(put_doc,
-"put(base, capacity, record_size, index, data, hook) -> 0, 1 or 2\n\n"
+"put(base, capacity, record_size, index, data, hook, sent=None) -> 0, 1 or 2\n\n"
 "Ring.put's fast path on the ring mapped at address base (0: closed) with the capacity\n"
 "and record size that ring.py checked against its mapping, as process index index: 1\n"
 "when data was written; 0 or 2 (a lock taken over from a dead owner) when\n"
 "nothing was and ring.py must do the call.  hook: None or called with the record's\n"
-"number under the lock; its exception propagates, nothing written.");
+"number under the lock; its exception propagates, nothing written.  sent: None or a\n"
+"list the record's number is appended to as it is written, with no Python code between.");
 
 static PyObject *c_put(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     char *base;
     uint32_t capacity, record_size;
-    if (nargs != 6) {
+    if (nargs != 6 && nargs != 7) {
         PyErr_SetString(PyExc_TypeError, "put(base, capacity, record_size, index, data, "
-                                         "hook) takes 6 arguments");
+                                         "hook, sent=None) takes 6 or 7 arguments");
+        return NULL;
+    }
+    PyObject *sent = nargs == 7 ? args[6] : Py_None;
+    if (sent != Py_None && !PyList_Check(sent)) {
+        PyErr_SetString(PyExc_TypeError, "put(): sent must be None or a list");
         return NULL;
     }
     if (parse_base(args[0], &base) < 0 || parse_shape(args + 1, &capacity, &record_size) < 0)
@@ -186,6 +192,17 @@ static PyObject *c_put(PyObject *module, PyObject *const *args, Py_ssize_t nargs
             return NULL;
         }
         Py_DECREF(r);
+    }
+    if (sent != Py_None) { /* appended before the write, which cannot fail: one step */
+        PyObject *number = PyLong_FromUnsignedLongLong(t);
+        if (number == NULL || PyList_Append(sent, number) < 0) {
+            Py_XDECREF(number);
+            pthread_mutex_unlock(mutex(base, W_LOCK));
+            if (release)
+                PyBuffer_Release(&view);
+            return NULL;
+        }
+        Py_DECREF(number);
     }
     char *rec = base + RECORDS + (size_t)(t % capacity) * record_size;
     *(uint64_t *)rec = t + 1;

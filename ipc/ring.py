@@ -170,8 +170,8 @@ _wake: Callable[[int], object]  # FUTEX_WAKE one sleeper
 _fence: Callable[[], object]  # a full barrier (where the hardware does not keep order)
 # Ring.put's and Ring.get's whole call when it needs no wait and no repair (ipc/_cring.c
 # says what they answer); None: the Python code below does every call.
-_cput: Callable[[int, int, int, int, ReadableBuffer, Callable[[int], object] | None],
-                int] | None
+_cput: Callable[[int, int, int, int, ReadableBuffer, Callable[[int], object] | None,
+                 list[int] | None], int] | None
 _cget: Callable[[int, int, int, Callable[[int, int, bytes], object] | None,
                  list[bytes] | None], bytes | int] | None
 
@@ -382,21 +382,29 @@ class Ring:
         return cls(own, mem)
 
     def put(self, data: ReadableBuffer, block: bool = True, timeout: float | None = None,
-            *, hook: Callable[[int], object] | None = None) -> None:
+            *, hook: Callable[[int], object] | None = None,
+            sent: list[int] | None = None) -> None:
         """Append ``data`` (bytes-like, at most :attr:`payload_max` bytes); with a full
         ring, wait for room (``block``, up to ``timeout`` seconds) or raise
         ``queue.Full``.
 
         ``hook(number)``: called under the writers' lock once there is room, before the
         record is written; ``number`` is the record's place in the stream (0, 1, ...:
-        the tail).  If it raises, nothing is written."""
+        the tail).  If it raises, nothing is written.
+
+        ``sent``: a list the record's number is appended to as it is written.  An
+        exception from a signal handler can come after the write and before the caller
+        knows of it; with ``sent``, the write and the append are one step (no Python code
+        runs between them), so the caller tells a record written from one that was not."""
         if _cput is not None:  # the whole call in C, unless it must wait or repair
             done = _cput(self._base, self.capacity, self.record_size, self.index, data,
-                         hook)
+                         hook, sent)
             if done == 1:
                 return
             if done:
                 self.recovered += 1  # C took a lock over from a dead owner
+        if sent is not None and type(sent) is not list:
+            raise TypeError(f"put(): sent must be None or a list, not {type(sent).__name__}")
         if type(data) is not bytes:
             data = memoryview(data).cast("B")
         n = len(data)
@@ -426,6 +434,8 @@ class Ring:
             if not _TSO:
                 _fence()  # the record before the tail that publishes it
             q[_TAIL_Q] = t + 1
+            if sent is not None:
+                sent.append(t)  # (the store above runs no Python code, nor does this call)
         except BaseException:
             if not nested:
                 _settle(lock)

@@ -18,8 +18,12 @@ __all__ = ["empty", "zeros", "ones", "full", "empty_like", "zeros_like", "share_
 def _shape(shape: Any) -> tuple[int, ...]:
     """``shape`` (whatever the caller passed) as a tuple of ints, refused in numpy's words
     when it is not one."""
-    if type(shape) is tuple and all(type(n) is int and n >= 0 for n in shape):
-        return shape  # the common case, checked cheaply
+    if type(shape) is tuple:  # the common case, checked cheaply
+        for n in shape:
+            if type(n) is not int or n < 0:
+                break
+        else:
+            return shape
     try:
         shape = (operator.index(shape),)
     except TypeError:

@@ -258,18 +258,20 @@ class Channel:
     # -- sending -----------------------------------------------------------------------
 
     def send(self, data: bytes, fds: Sequence[int] = (), block: bool = True,
-             timeout: float | None = None) -> None:
+             timeout: float | None = None, sent: list[int] | None = None) -> None:
         """Send one message; with a full channel, wait for room (``block``, up to
         ``timeout``) or raise ``queue.Full``.  The caller keeps ``fds`` (they are
-        duplicated into the message)."""
+        duplicated into the message).  ``sent``: as ``Ring.put``'s, a list that gets the
+        message's record number in the step that writes it."""
         ring = self.ring
         if self._side_r.fileno() < 0 and self.readers_gone():
             raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))  # described by the caller
         if not fds and len(data) < ring.payload_max:
             if self.waitable:
-                ring.put(_INLINE + data, block, timeout, hook=self._ticker(block, timeout))
+                ring.put(_INLINE + data, block, timeout, hook=self._ticker(block, timeout),
+                         sent=sent)
             else:
-                ring.put(_INLINE + data, block, timeout)
+                ring.put(_INLINE + data, block, timeout, sent=sent)
             return
         deadline = None if not block or timeout is None else time.monotonic() + timeout
         big = len(data) > SIDE_MAX
@@ -284,12 +286,13 @@ class Channel:
             def side(number: int) -> None:
                 self._send_side(_HEAD.pack(number, tag), b"" if big else data,
                                 [*body, *fds], block, deadline)
-            ring.put((_BIG if big else _SIDE) + _TAG.pack(tag), block, timeout, hook=side)
+            ring.put((_BIG if big else _SIDE) + _TAG.pack(tag), block, timeout, hook=side,
+                     sent=sent)
         finally:
             scm_rights.close_fds(body)
 
     def post(self, data: bytes, ctx: SendContext, block: bool = True,
-             timeout: float | None = None) -> None:
+             timeout: float | None = None, sent: list[int] | None = None) -> None:
         """Send a message pickled with ``ctx``, as :meth:`send` does with its fds.  A
         one-array message of memory this process made (``ctx.handle``: in a memfd, or a
         CUDA IPC allocation, which its handle in the message names) goes without fds to a
@@ -301,12 +304,12 @@ class Channel:
         meanwhile.  The caller releases ``ctx`` after, as after :meth:`send`, and calls
         :meth:`prune` before it pickles.  A one-array message of memory another process
         made (``ctx.forward``) goes without fds where that process is the sole reader
-        (:meth:`_send_back`)."""
-        if ctx.forward is not None and self._send_back(data, ctx, block, timeout):
+        (:meth:`_send_back`).  ``sent`` as :meth:`send`'s."""
+        if ctx.forward is not None and self._send_back(data, ctx, block, timeout, sent):
             return
         handle = ctx.handle
         if handle is None or len(data) > SIDE_MAX:
-            self.send(data, ctx.wire_fds(), block, timeout)
+            self.send(data, ctx.wire_fds(), block, timeout, sent)
             return
         if self._pid != _me[0]:
             self._forked()
@@ -314,19 +317,19 @@ class Channel:
         w = user[_READER]
         seg_fd, seg_ino, shard_fd, shard_ino, own = handle
         if own and not self._nameable(seg_ino, w, own):
-            self.send(data, ctx.wire_fds(), block, timeout)
+            self.send(data, ctx.wire_fds(), block, timeout, sent)
             return
         if w & _PID and 1 + _HELD_HEAD.size + len(data) <= ring.payload_max:
             record = b"".join((_HELD, _HELD_HEAD.pack(_me[0], seg_fd, seg_ino, shard_fd,
                                                       shard_ino, w), data))
             try:
                 ring.put(record, block, timeout, hook=self._named(
-                    w, seg_ino, shard_ino, own, ctx.keep[0], block, timeout))
+                    w, seg_ino, shard_ino, own, ctx.keep[0], block, timeout), sent=sent)
                 return
             except _Unknown:
                 w = user[_READER]
         if not w & _PID:  # no sole reader to announce to
-            self.send(data, ctx.wire_fds(), block, timeout)
+            self.send(data, ctx.wire_fds(), block, timeout, sent)
             return
         fds = ctx.wire_fds()
         deadline = None if not block or timeout is None else time.monotonic() + timeout
@@ -345,10 +348,10 @@ class Channel:
             if own:
                 at[seg_ino] = number
         ring.put(_ANN + _ANN_HEAD.pack(tag, *inos, seg_fd, ring.index, own > 0), block,
-                 timeout, hook=side)
+                 timeout, hook=side, sent=sent)
 
     def _send_back(self, data: bytes, ctx: SendContext, block: bool,
-                   timeout: float | None) -> bool:
+                   timeout: float | None, sent: list[int] | None) -> bool:
         """Send a received array back to the process that made its memory, while that
         process is the channel's sole reader (its maker word names the memory's lease
         table), as a record without fds (``_FWD``) that names the memory's slot; False
@@ -380,7 +383,7 @@ class Channel:
             if tick is not None:
                 tick(number)
         try:
-            ring.put(record, block, timeout, hook=back)
+            ring.put(record, block, timeout, hook=back, sent=sent)
         except _Unknown:
             return False
         return True

@@ -115,12 +115,15 @@ _sentinel: object = _mpq._sentinel  # type: ignore[attr-defined]  # private: the
 class Frame:
     """A message pickled by ``put``, waiting for the feeder thread; ``obj`` is what
     ``_on_queue_feeder_error`` gets if it cannot be sent: the object if the queue keeps
-    them, else None (then its pickled bytes, as the stdlib's feeder gives)."""
+    them, else None (then its pickled bytes, as the stdlib's feeder gives).  ``sent``
+    gets its record number in the step that writes it to the channel: a frame that an
+    exception (a signal handler's) left in the buffer after that is never sent again."""
 
-    __slots__ = ("data", "ctx", "obj")
+    __slots__ = ("data", "ctx", "obj", "sent")
 
     def __init__(self, data: bytes, ctx: SendContext, obj: object) -> None:
         self.data, self.ctx, self.obj = data, ctx, obj
+        self.sent: list[int] = []
 
 
 @final
@@ -391,13 +394,18 @@ class _ShmQueue(_OnChannel, _QueueBase):
                 return
             while buffer:
                 item = buffer[0]
-                if type(item) is not Frame or len(item.data) > scm_rights.ATOMIC_MAX:
+                if type(item) is not Frame or (
+                        not item.sent and len(item.data) > scm_rights.ATOMIC_MAX):
                     return  # the feeder's: it reports errors (and sends large ones)
                 try:
                     if not _try_send(item, self._chan):
                         return
-                except Exception:
-                    return  # the frame is whole: the feeder meets the error and reports it
+                except Exception as e:
+                    if _raised_by_a_signal_handler(e):
+                        raise  # the caller's; the frame, whole or sent, is the next sender's
+                    if not item.sent:
+                        return  # the frame is whole: the feeder meets the error, reports it
+                    _try_send(item, self._chan)  # sent: this only lets go of its buffer
                 buffer.popleft()
                 _locked(self._notempty, self._one_sent)
         finally:
@@ -668,12 +676,14 @@ class _Sending:
 
 def _try_send(item: Frame, chan: Channel) -> bool:
     """Send a frame if the channel takes it now: True (and its buffer let go), or False
-    with nothing sent (the channel full).  An error leaves the frame whole."""
-    chan.prune()
-    try:
-        chan.post(item.data, item.ctx, False)
-    except Full:
-        return False
+    with nothing sent (the channel full).  An error leaves the frame whole, or sent (its
+    ``sent`` says so: an exception after the write, a signal handler's)."""
+    if not item.sent:
+        chan.prune()
+        try:
+            chan.post(item.data, item.ctx, False, sent=item.sent)
+        except Full:
+            return False
     item.ctx.release()
     item.data = None  # type: ignore[assignment]  # let go once sent: nothing reads it after
     return True

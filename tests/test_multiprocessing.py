@@ -580,3 +580,60 @@ def test_a_pickling_cut_short_before_it_began_leaves_no_message_being_pickled(mo
         _reductions.dumps(("x", 1))
     monkeypatch.setattr(_reductions.io, "BytesIO", io.BytesIO)
     assert getattr(_wire.current, "send", None) is None
+
+
+@pytest.mark.parametrize("cut", [KeyError, KeyboardInterrupt],
+                         ids=["Exception", "BaseException"])
+@pytest.mark.parametrize("then", ["put", "feeder"])
+def test_a_frame_sent_by_a_put_helping_the_feeder_is_never_sent_again(monkeypatch, cut,
+                                                                      then):
+    """A put helps the feeder send what the queue's buffer holds (its reader lagged).  An
+    exception (a signal handler's) right after the channel took a frame, before the frame
+    left the buffer, must not have the next put's help or the feeder send it again: the
+    reader gets each message once, in order."""
+    import threading
+    from shmtensor import _channel, _queues
+
+    q = smp.Queue()
+    # no feeder thread: this test sends the buffer's frames, as a put's help or the feeder
+    q._thread = threading.Thread(target=lambda: None)
+    try:
+        with q._notempty:
+            q._unsent[0] += 1  # a frame in the feeder's hands: puts queue behind it
+        with q._sending.lock:  # so that the puts' help sends nothing yet
+            for i in range(3):
+                q.put(i)
+        with q._notempty:
+            q._unsent[0] -= 1
+        assert len(q._buffer) == 3
+
+        post, calls = _channel.Channel.post, []
+
+        def cut_short(self, *args, **kwargs):
+            post(self, *args, **kwargs)
+            calls.append(1)
+            if len(calls) == 1:
+                raise cut("right after the channel took the frame")
+        monkeypatch.setattr(_channel.Channel, "post", cut_short)
+        if cut is KeyboardInterrupt:
+            with pytest.raises(KeyboardInterrupt):
+                q._help_send()
+            assert len(q._buffer) == 3 and q._buffer[0].sent  # sent, left for the next
+        else:
+            q._help_send()  # not a signal handler's: the put goes on with the next frames
+        if then == "put":
+            q._help_send()
+        else:
+            while q._buffer:
+                assert _queues._send_item(q._buffer.popleft(), q._chan)
+                with q._notempty:
+                    q._unsent[0] -= 1
+        assert not q._buffer and q._unsent[0] == 0
+        got = [q.get(timeout=JOIN) for _ in range(3)]
+        assert got == [0, 1, 2]
+        with pytest.raises(Empty):
+            q.get(timeout=0.2)  # nothing sent twice
+    finally:
+        q._thread = None
+        q.close()
+        q.join_thread()

@@ -928,6 +928,26 @@ def _interrupting(*args):
     raise Interrupted
 
 
+def test_put_sent(no_leaks):
+    """put(sent=...) appends the record's number as it writes it; a hook's exception, or
+    a full ring, leaves the list and the ring as they were."""
+    with Ring.create(2) as ring:
+        sent: list[int] = []
+        ring.put(b"a", sent=sent)
+        assert sent == [0]
+        with pytest.raises(Interrupted):
+            ring.put(b"never", hook=_interrupting, sent=sent)
+        assert sent == [0] and len(ring) == 1
+        ring.put(b"b", sent=sent)
+        with pytest.raises(queue.Full):
+            ring.put(b"full", block=False, sent=sent)
+        assert sent == [0, 1] and ring.get() == b"a" and ring.get() == b"b"
+        ring.put(b"c", timeout=JOIN, sent=sent)  # past a wrap, on either path
+        assert sent == [0, 1, 2] and ring.get() == b"c"
+        with pytest.raises(TypeError):
+            ring.put(b"d", sent=(), block=False)  # type: ignore[arg-type]
+
+
 def test_exception_right_after_into_got_the_message(no_leaks, python_path):
     """Python path: an exception (a signal handler's) between the append to ``into`` and
     the advance of ``head`` finds the message taken: in the list, not in the ring too."""
