@@ -136,6 +136,9 @@ _TAIL, _HEAD, _R_SLEEPS, _W_SLEEPS, _NEXT = 192, 200, 208, 212, 216
 _TAIL_Q, _HEAD_Q = _TAIL // 8, _HEAD // 8
 _R_SLEEPS_I, _W_SLEEPS_I, _NEXT_I = _R_SLEEPS // 4, _W_SLEEPS // 4, _NEXT // 4
 _USER = 224  # USER_WORDS 8-byte words the ring's user keeps (zero when made): Ring.user
+# Ring.user of a ring not mapped (closed): any use raises ValueError, as a closed ring's calls
+_NO_WORDS = memoryview(b"\0" * 8).cast("Q")
+_NO_WORDS.release()
 USER_WORDS = 8
 _RECORDS = 320  # records start on a cache line
 _Q = struct.Struct("Q")
@@ -295,7 +298,7 @@ class Ring:
         self._q: memoryview | None = None
         # words of the ring's header its user keeps, shared by every process (a store of
         # an item is one machine store): the channel's own bookkeeping
-        self.user: memoryview | None = None
+        self.user: memoryview = _NO_WORDS
         self._i: memoryview | None = None
         self._anchor: ctypes.c_char | None = None
         self._live = -1
@@ -757,7 +760,8 @@ class Ring:
         for view in (self.user, self._q, self._i):
             if view is not None:
                 view.release()
-        self._q = self._i = self.user = None
+        self._q = self._i = None
+        self.user = _NO_WORDS
         self._base = 0  # the C fast paths refuse a closed ring by it
         if mem is not None:
             mem.close()

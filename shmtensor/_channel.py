@@ -313,7 +313,7 @@ class Channel:
             return
         if self._pid != _me[0]:
             self._forked()
-        ring, user = self.ring, cast(memoryview, self.ring.user)
+        ring, user = self.ring, self.ring.user
         w = user[_READER]
         seg_fd, seg_ino, shard_fd, shard_ino, own = handle
         if own and not self._nameable(seg_ino, w, own):
@@ -363,7 +363,7 @@ class Channel:
         earlier generation."""
         if self._pid != _me[0]:
             self._forked()
-        ring, user, lane = self.ring, cast(memoryview, self.ring.user), cast(LaneContext, ctx)
+        ring, user, lane = self.ring, self.ring.user, cast(LaneContext, ctx)
         w = user[_READER]
         maker = _tag(lane.table_id)
         word = (w >> 48) << 48 | maker
@@ -433,7 +433,7 @@ class Channel:
         tick = self._ticker(block, timeout) if self.waitable else None
 
         def named(number: int) -> None:
-            if (cast(memoryview, user)[_READER] != w
+            if (user[_READER] != w
                     or seg_ino and announced.get(seg_ino) != w
                     or announced.get(shard_ino) != w
                     or own and ring.head <= at.get(seg_ino, 1 << 62)):
@@ -447,7 +447,7 @@ class Channel:
         """The put hook of a record with no datagram on a waitable channel: under the
         writers' lock, it sends the record's tick if someone waits on the fd."""
         deadline = None if not block or timeout is None else time.monotonic() + timeout
-        user = cast(memoryview, self.ring.user)
+        user = self.ring.user
 
         def tick(number: int) -> None:
             if user[_WAITED]:
@@ -501,7 +501,7 @@ class Channel:
                 except queue.Empty:
                     if not taken:
                         self._drop_unwritten()
-                        if (cast(memoryview, self.ring.user)[_PARKED]
+                        if (self.ring.user[_PARKED]
                                 and time.monotonic() >= self._lot_at):
                             self._idle_lot()
                         if self._origin and time.monotonic() >= self._sweep_at:
@@ -558,7 +558,7 @@ class Channel:
                 self._hot.clear()  # keep no slab (_attach)
             if self._origin and time.monotonic() >= self._sweep_at:
                 self._sweep()
-        user = cast(memoryview, self.ring.user)
+        user = self.ring.user
         if user[_READER] != self._mine or not self._mine:
             self._join()
         if self._old:
@@ -567,7 +567,7 @@ class Channel:
             self._clean_lot(number)
         kind = data[:1]
         if kind == _INLINE or kind == _HELD or kind == _FWD:
-            if self.waitable and cast(memoryview, self.ring.user)[_WAITED]:
+            if self.waitable and self.ring.user[_WAITED]:
                 self._take_tick(number)
             taken.append((number, scm_rights.Frame(data[1:], []) if kind == _INLINE
                           else self._held(number, data, kind == _FWD)))
@@ -594,7 +594,7 @@ class Channel:
         """Before this process takes a record (under the readers' lock): make the reader
         word name it as the sole reader if no other live process reads, else say there are
         several; a word that no longer names it retires what it kept."""
-        user, ring, pid = cast(memoryview, self.ring.user), self.ring, os.getpid()
+        user, ring, pid = self.ring.user, self.ring, os.getpid()
         w = user[_READER]
         index = (w >> 32) & 0xFFFF
         if w & _PID == pid and index == ring.index:
@@ -709,7 +709,7 @@ class Channel:
                 _consume(map(keep.__setitem__, (seg_ino,), map(os.dup, (fds[0],))))
             except OSError:  # a new generation (writers announce again), kept from empty
                 self._retire()
-                self._mine = _word(cast(memoryview, self.ring.user)[_READER],
+                self._mine = _word(self.ring.user[_READER],
                                    self.ring.index, os.getpid())
                 self._name_reader(self._mine)
                 return frame, []
@@ -743,7 +743,8 @@ class Channel:
         at = 1 + _FWD_HEAD.size if back else 1
         try:
             if len(data) < at + _HELD_HEAD.size:
-                return _Held(b"", None, None, OSError(errno.EBADMSG, "a malformed record"))
+                return _Held(b"", None, None, None, OSError(errno.EBADMSG,
+                                                            "a malformed record"))
             pid, seg_no, seg_ino, shard_no, shard_ino, w = _HELD_HEAD.unpack_from(data, at)
             # (memory sent back is this process's own: not its writer's slab to keep hot)
             return self._attach(number, 0 if back else pid, data[at + _HELD_HEAD.size:],
@@ -751,7 +752,8 @@ class Channel:
                                 lambda: self._kept(shard_ino, pid, shard_no, w, number,
                                                    opened))
         finally:
-            scm_rights.close_fds(opened)
+            if opened:
+                scm_rights.close_fds(opened)
 
     def _attach(self, number: int, writer: int, payload: Payload, seg_fd: Callable[[], int],
                 lease: Callable[[], int]) -> _Held:
@@ -761,11 +763,11 @@ class Channel:
         exception (a signal handler's) goes on, and the record stays for the next
         receive."""
         try:
-            anchor, view = _reductions.held_attach(payload, seg_fd, lease)
+            anchor, view, load = _reductions.held_attach(payload, seg_fd, lease)
         except _FAILURES as e:
             if _raised_by_a_signal_handler(e):
                 raise
-            return _Held(b"", None, None, OSError(
+            return _Held(b"", None, None, None, OSError(
                 getattr(e, "errno", None) or errno.EBADMSG,
                 f"a shared array on this queue was lost: {e}"))
         # While more records wait, each writer's last slab stays held here: its next
@@ -777,7 +779,7 @@ class Channel:
                 hot[writer] = anchor
         elif hot:
             hot.clear()
-        return _Held(payload, anchor, view, None)
+        return _Held(payload, anchor, view, load, None)
 
     def _kept(self, ino: int, pid: int, fd_no: int, w: int, number: int,
               opened: list[int]) -> int:
@@ -871,7 +873,7 @@ class Channel:
         datagram: a dead frame."""
         # began[0]: the number + 1 of the last record whose datagram a reader began to
         # take; began[1]: that reader's pid
-        raw, sock, began = self._raw, self._side_r, cast(memoryview, self.ring.user)
+        raw, sock, began = self._raw, self._side_r, self.ring.user
         mine = False
         while True:
             if not raw:
@@ -947,7 +949,7 @@ class Channel:
         flight counts against its sender's user's fd limit), and close the others.
         Where one is the file of inode ``ino``, a new fd of it goes into ``opened``.
         Returns the datagrams parked again, or for ``ino``, whether the file was found."""
-        sock, user = self._side_w, cast(memoryview, self.ring.user)
+        sock, user = self._side_w, self.ring.user
         found, top, files = 0, 0, dict[int, int]()  # files: inode -> fd (in ``taken``)
         taken: list[Any] = []  # recvmsg results, each stored by the call's own step
         seen = user[_PARKED]
@@ -1015,7 +1017,7 @@ class Channel:
         message on another reader's behalf may be woken for one that reader has just
         taken, as with a pipe."""
         ring = self.ring
-        user = cast(memoryview, ring.user)
+        user = ring.user
         if user[_WAITED] != _SYNCED:
             user[_WAITED] = _TICKING
             if not ring.empty():
@@ -1064,14 +1066,15 @@ class _Unknown(Exception):
 
 class _Held(scm_rights.Frame):
     """The frame of a record without fds: its memory attached (``anchor``, which holds
-    it), loaded by the adapter that attached it, or the error that lost it."""
+    it), loaded by the adapter that attached it (``load(anchor, view)``), or the error
+    that lost it."""
 
-    __slots__ = ("anchor", "view", "error")
+    __slots__ = ("anchor", "view", "load", "error")
 
     def __init__(self, data: Payload, anchor: object, view: object,
-                 error: BaseException | None) -> None:
+                 load: Callable[[Any, Any], Any] | None, error: BaseException | None) -> None:
         super().__init__(data, [])
-        self.anchor, self.view, self.error = anchor, view, error
+        self.anchor, self.view, self.load, self.error = anchor, view, load, error
 
     def hand_to(self, load: Callable[..., _T], extra: tuple[object, ...]) -> _T:
         # a view of memory held already: an exception (a signal handler's) leaves the
@@ -1080,7 +1083,7 @@ class _Held(scm_rights.Frame):
             self.started = True
             raise self.error
         try:
-            return cast(_T, _reductions.held_load(self.data, self.anchor, self.view))
+            return self.load(self.anchor, self.view)  # type: ignore[misc,no-any-return]
         except _FAILURES as e:  # a view its memory cannot have (a malformed record): lost
             if _raised_by_a_signal_handler(e):
                 raise
@@ -1311,7 +1314,7 @@ def _park(ring: Ring, side_r: socket.socket, keep: dict[int, int],
     once both processes are gone, as before)."""
     opened: list[int] = []
     try:
-        me, user = os.getpid(), cast(memoryview, ring.user)
+        me, user = os.getpid(), ring.user
         w = user[_READER]
         ahead = 0  # records a write in progress may still add under the old word
         if w & _PID == me and (w >> 32) & 0xFFFF == ring.index:
@@ -1397,7 +1400,7 @@ def _same_file(fd: int, dev: int, ino: int) -> bool:
 
 def _name_reader_word(ring: Ring, new: int) -> None:
     """Store the reader word ``new`` and its maker word (see ``Channel._name_reader``)."""
-    user = cast(memoryview, ring.user)
+    user = ring.user
     user[_MAKER] = (new >> 48) << 48 | _tag(process_tag()) if new & _PID else 0
     user[_READER] = new
 
@@ -1491,7 +1494,7 @@ def _sent_back_until(ring: Ring) -> int:
     this process first, and every write begun before is then made whole (the writers'
     lock, taken without waiting: ``_UNSYNCED`` while a writer holds it, for a later
     ``_prune`` to ask again)."""
-    user = cast(memoryview, ring.user)
+    user = ring.user
     mine = _tag(process_tag())
     if user[_MAKER] & _TAG_MASK == mine:
         user[_MAKER] = 0

@@ -355,18 +355,14 @@ def _numpy_lane_loads(data: Payload, fds: list[int]) -> object:
 
 
 def held_attach(data: Payload, seg_fd: Callable[[], int],
-                lease: Callable[[], int]) -> tuple[Any, Any]:
+                lease: Callable[[], int]) -> tuple[Any, Any, Callable[[Any, Any], Any]]:
     """A one-array message that came without fds (its reader had them: see
-    ``_channel.Channel.post``): its memory, attached and held here, and what
-    :func:`held_load` makes the array of.  Run under the channel's readers' lock, before
-    the message leaves the channel."""
-    held: tuple[Any, Any] = _held_pair(data)[0](data, seg_fd, lease)
-    return held
-
-
-def held_load(data: Payload, anchor: Any, view: Any) -> object:
-    """The object of a message :func:`held_attach` attached."""
-    return _held_pair(data)[1](anchor, view)
+    ``_channel.Channel.post``): its memory, attached and held here, what its adapter makes
+    the array of, and the adapter's ``load(memory, view)`` that makes it.  Run under the
+    channel's readers' lock, before the message leaves the channel."""
+    attach, load = _held_pair(data)
+    memory, view = attach(data, seg_fd, lease)
+    return memory, view, load
 
 
 def _held_pair(data: Payload) -> tuple[Callable[..., Any], Callable[..., Any]]:

@@ -803,10 +803,10 @@ def attach_held(key: str, kind: str, size: int, table_id: str, slot: int,
     fds: list[int] = []
     try:
         with _lock:
-            seg = _by_key.get(key)
+            seg, took = _by_key.get(key), False
             if seg is None or seg.mm is None:
                 fds.extend(map(os.dup, (fd(),)))
-            seg, took = _attached(key, kind, size, table_id, slot, fds or [-1])
+                seg, took = _attached(key, kind, size, table_id, slot, fds)
             try:
                 try:
                     return seg.anchor()
@@ -816,7 +816,8 @@ def attach_held(key: str, kind: str, size: int, table_id: str, slot: int,
                 _unanchored(seg, took, fds or None)
                 raise
     finally:
-        close_fds(fds)
+        if fds:
+            close_fds(fds)
 
 
 def _unanchored(seg: Segment, took: bool, fds: list[int] | None = None, i: int = 0) -> None:

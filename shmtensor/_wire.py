@@ -65,7 +65,8 @@ class SendContext:
 
     def release(self) -> None:
         owned, self.owned = self.owned, []
-        scm_rights.close_fds(owned)
+        if owned:
+            scm_rights.close_fds(owned)
         self.keep = []
         self.fds = []
 

@@ -594,17 +594,17 @@ def test_an_exception_while_a_record_without_fds_is_loaded_leaves_it_for_the_nex
         lc, monkeypatch):
     # its memory is attached and held as it leaves the ring: an exception (a signal
     # handler's) while its array is made loses nothing
-    from shmtensor import _reductions
+    from shmtensor import _numpy
 
     class Interrupt(Exception):
         pass
-    real = _reductions.held_load
+    real = _numpy._rebuild_array
 
-    def interrupted(data, anchor, view):
-        monkeypatch.setattr(_reductions, "held_load", real)
+    def interrupted(*args):
+        monkeypatch.setattr(_numpy, "_rebuild_array", real)
         raise Interrupt
     q, p = _two_queued_without_fds()
-    monkeypatch.setattr(_reductions, "held_load", interrupted)
+    monkeypatch.setattr(_numpy, "_rebuild_array", interrupted)
     with pytest.raises(Interrupt):
         q.get(timeout=JOIN)
     assert [int(q.get(timeout=JOIN)[0]) for _ in range(2)] == [2, 3]
