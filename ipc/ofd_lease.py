@@ -129,6 +129,9 @@ class LeaseTable:
         try:
             for _ in range(SHARDS):
                 self.fds.append(os.memfd_create(f"{PREFIX}_{self.id}_lease", os.MFD_CLOEXEC))
+        except OSError as e:
+            self.close()
+            raise fd_limit_error(e, f"this process's lease table ({SHARDS} files)") from None
         except BaseException:
             self.close()
             raise

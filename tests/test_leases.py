@@ -504,3 +504,29 @@ def test_release_many_lets_go_of_each_hold_once_and_of_the_lock_with_the_last():
     ofd_lease.release_many(table.id, [a])
     assert not table.is_held(a)
     ofd_lease.release_many("no-such-table", [a])  # a table never held here: nothing to do
+
+
+_TABLE_AT_LIMIT = """
+import os, resource
+from shmtensor.ipc import ofd_lease
+top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (top + 4, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+before = sorted(os.listdir("/proc/self/fd"))
+try:
+    ofd_lease.LeaseTable()
+except OSError as e:
+    print(e.errno, e)
+print(sorted(os.listdir("/proc/self/fd")) == before)
+"""
+
+
+def test_a_lease_table_past_the_fd_limit_says_which_limit_and_the_fix():
+    """A process whose fd limit leaves no room for its lease table's files gets an error
+    that names the limit and how to raise it, and keeps none of the files it made."""
+    out = subprocess.run([sys.executable, "-c", _TABLE_AT_LIMIT], capture_output=True,
+                         text=True, timeout=JOIN)
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.splitlines()
+    assert first.startswith(f"{errno.EMFILE} ") and "lease table" in first
+    assert "ulimit -n" in first and "RLIMIT_NOFILE" in first
+    assert second == "True"
