@@ -530,3 +530,35 @@ def test_a_lease_table_past_the_fd_limit_says_which_limit_and_the_fix():
     assert first.startswith(f"{errno.EMFILE} ") and "lease table" in first
     assert "ulimit -n" in first and "RLIMIT_NOFILE" in first
     assert second == "True"
+
+
+def _reopened_files(out):
+    """In a forked child: the inode of a new in-flight description of this process's own
+    table, and of the table's file it should be a description of."""
+    table = ofd_lease.own_table()
+    fd = ofd_lease.inflight_fd(table.id, [1])
+    try:
+        out.put((os.fstat(fd).st_ino, os.fstat(table.fds[1 % ofd_lease.SHARDS]).st_ino))
+    finally:
+        os.close(fd)
+
+
+def test_a_forked_child_opens_descriptions_of_its_own_files():
+    """Descriptions are opened through this process's /proc/self/fd, kept open: a forked
+    child must open its own (the inherited one lists the parent's fds, whose numbers its
+    new table may reuse), or its in-flight locks would be on the parent's files."""
+    ctx = smp.get_context("fork")
+    # the parent's table and its /proc/self/fd made and in use
+    os.close(ofd_lease.inflight_fd(ofd_lease.own_table().id, [1]))
+    out = ctx.Queue()
+    p = ctx.Process(target=_reopened_files, args=(out,))
+    p.start()
+    try:
+        got, want = out.get(timeout=JOIN)
+    finally:
+        p.join(JOIN)
+    assert p.exitcode == 0
+    assert got == want
+    parent = os.fstat(ofd_lease.own_table().fds[1 % ofd_lease.SHARDS]).st_ino
+    assert got != parent
+    out.close()
