@@ -1580,11 +1580,18 @@ def _read_memfd(fd: int) -> bytes | bytearray:
 
 def _raised_by_a_signal_handler(e: BaseException) -> bool:
     """Whether ``e`` came through a Python signal handler installed now (one that raised
-    while ``put`` pickled): not a pickling error, whatever it is."""
+    while ``put`` pickled): not a pickling error, whatever it is.  A handler is known by
+    the code its call runs: a function's, a method's, the function of a
+    ``functools.partial`` (nested ones too), or a callable object's ``__call__``."""
     codes = []
     for signum in signal.valid_signals():
         handler = signal.getsignal(signum)
+        while isinstance(handler, functools.partial):
+            handler = handler.func
         code = getattr(getattr(handler, "__func__", handler), "__code__", None)
+        if code is None and callable(handler):
+            call = getattr(type(handler), "__call__", None)
+            code = getattr(getattr(call, "__func__", call), "__code__", None)
         if code is not None:
             codes.append(code)
     tb = e.__traceback__

@@ -495,17 +495,36 @@ def test_a_queue_still_works_after_a_signal_handler_raised_all_through_its_puts(
     q.join_thread()
 
 
-def test_a_signal_handlers_exception_while_put_pickles_is_raised_by_put():
+class _Alarm(Exception):
+    pass
+
+
+def _raise_alarm(signum, frame, *extra):
+    raise _Alarm
+
+
+class _AlarmRaiser:
+    def __call__(self, signum, frame):
+        raise _Alarm
+
+    def method(self, signum, frame):
+        raise _Alarm
+
+
+@pytest.mark.parametrize("kind", ["function", "partial", "callable", "method"])
+def test_a_signal_handlers_exception_while_put_pickles_is_raised_by_put(kind):
     """An exception a signal handler raises while ``put`` pickles (a SIGCHLD handler that
     says a worker died, an alarm that ends a wait) is the caller's: ``put`` raises it and
-    queues nothing, instead of reporting it as an object that cannot be pickled."""
+    queues nothing, instead of reporting it as an object that cannot be pickled (and
+    dropping the message while put returns).  Whatever the handler is: a function, a
+    ``functools.partial`` of one, a callable object, a bound method."""
+    import functools
     import signal
 
-    class Alarm(Exception):
-        pass
-
-    def handler(signum, frame):
-        raise Alarm
+    Alarm = _Alarm
+    handler = {"function": _raise_alarm,
+               "partial": functools.partial(functools.partial(_raise_alarm), 1),
+               "callable": _AlarmRaiser(), "method": _AlarmRaiser().method}[kind]
 
     class Slow:
         def __reduce__(self):
