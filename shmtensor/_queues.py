@@ -273,27 +273,39 @@ class _ShmQueue(_OnChannel, _QueueBase):
 
     def _reset(self, after_fork: bool = False) -> None:
         super()._reset(after_fork)
-        self._unsent = [0]     # frames given to the feeder and not yet sent (under _notempty)
         self._sending = _Sending()
         # get_async's awaiters of each event loop, in line (see get_async)
         self._awaiting: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         # send failures the feeder met, not yet raised (under _notempty)
         self._failures: list[BaseException] = []
 
-    def _send_now(self, data: bytes, ctx: SendContext) -> bool:
+    def _send_now(self, data: bytes, ctx: SendContext, sent: list[int]) -> bool:
         """Send a message in this thread if that keeps the queue's order and the socket
         takes it whole at once (the caller holds ``_notempty``).  False leaves it to the
-        feeder thread; a failure raises (the socket is untouched)."""
-        if self._unsent[0] or len(data) > scm_rights.ATOMIC_MAX:
+        feeder thread; a failure raises (the socket is untouched).  ``sent`` gets the
+        record's number as it is written (see ``Ring.put``).
+
+        Order: frames wait in the buffer, and one the feeder took off it is sent, or put
+        back, under the sending lock (as a put's help sends), so with that lock held here
+        (taken without waiting) and the buffer empty nothing put earlier is unsent."""
+        if self._buffer or len(data) > scm_rights.ATOMIC_MAX:
             return False  # a large one is the feeder's to send, as in the stdlib
+        lock = self._sending.lock
+        took: list[bool] = []  # taken and let go of by C calls alone (see _locked)
         try:
-            self._chan.post(data, ctx, False)
-        except Full:
-            return False
-        except BrokenPipeError:
-            if self._ignore_epipe:  # concurrent.futures: the feeder drops it, as in the stdlib
+            took.extend(starmap(lock.acquire, ((False,),)))
+            if not took[0] or self._buffer:
+                return False  # a frame is being sent, or was put back: this one after it
+            try:
+                self._chan.post(data, ctx, False, sent=sent)
+            except Full:
                 return False
-            raise
+            except BrokenPipeError:
+                if self._ignore_epipe:  # concurrent.futures: the feeder drops it, as stdlib
+                    return False
+                raise
+        finally:
+            if took and took[0]: lock.release()  # noqa: E701 (first call of its line)
         ctx.release()
         return True
 
@@ -344,35 +356,35 @@ class _ShmQueue(_OnChannel, _QueueBase):
         # when a DataLoader worker dies) never leaves it held by nobody
         lock: Any = self._notempty._lock  # type: ignore[attr-defined]  # Condition's lock
         held: list[bool] = []
+        sent: list[int] = []      # the record's number, in the step that writes it
+        queued: list[None] = []   # [None], in the step that puts the frame in the buffer
         try:
             held.extend(starmap(lock.acquire, ((),)))
             if self._thread is None:  # on first put, as the stdlib's, even if it sends here
-                try:
-                    self._start_thread()
-                except BaseException:  # gh-109047: no thread at finalization
-                    if ctx is not None:
-                        ctx.release()
-                    self._undo_put(joinable)
-                    raise
+                self._start_thread()  # (gh-109047: no thread at finalization)
             if data is not None and ctx is not None:  # (both or neither)
-                try:
-                    if self._send_now(data, ctx):
-                        return
-                except OSError as e:
-                    ctx.release()
-                    self._undo_put(joinable)
-                    data = None  # see send_error
-                    raise send_error(e, "put() failed")
+                if self._send_now(data, ctx, sent):
+                    return
                 item = Frame(data, ctx, obj if self._keep_objects else None)
-            self._unsent[0] += 1
-            self._buffer.append(item)
+            queued.extend(map(self._buffer.append, (item,)))  # C from the append to the mark
             self._notempty.notify()
+        except BaseException as e:
+            if sent or queued:  # on its way: the exception (a signal handler's) is the caller's
+                if queued:
+                    self._notempty.notify()
+                raise
+            # nothing of it went out: what the put took is given back, and a failure to
+            # send (not a signal handler's exception) says what to do
+            if ctx is not None:
+                ctx.release()
+            self._undo_put(joinable)
+            if isinstance(e, OSError) and data is not None and not _raised_by_a_signal_handler(e):
+                data = None  # see send_error
+                raise send_error(e, "put() failed")
+            raise
         finally:
             if held: lock.release()  # noqa: E701 (first call of its line)
         self._help_send()
-
-    def _one_sent(self) -> None:
-        self._unsent[0] -= 1
 
     def _help_send(self) -> None:
         """Send what the feeder has not sent yet, in order, as far as the channel takes it
@@ -407,7 +419,6 @@ class _ShmQueue(_OnChannel, _QueueBase):
                         return  # the frame is whole: the feeder meets the error, reports it
                     _try_send(item, self._chan)  # sent: this only lets go of its buffer
                 buffer.popleft()
-                _locked(self._notempty, self._one_sent)
         finally:
             if held and held[0]: sending.lock.release()  # noqa: E701 (first call of its line)
 
@@ -458,13 +469,21 @@ class _ShmQueue(_OnChannel, _QueueBase):
         """The stdlib's (3.12's, which also stands for 3.10-3.11 and 3.13), starting this
         class's :meth:`_feed`."""
         debug("Queue._start_thread()")
+        feeder = self._sending.feeder
+        if feeder is not None:
+            # a feeder whose start a signal handler's exception cut short (in start's wait,
+            # then in the wait below): it runs, and is this queue's (a second would race
+            # it, and join_thread would never see it end)
+            self._thread = feeder
+            self._feeder_finalizers()
+            return
         self._buffer.clear()
         # made and started before it is the queue's: a put cut short (a signal handler's
         # exception) before the start leaves no unstarted thread for later puts to trust
         thread = threading.Thread(
             target=type(self)._feed,
             args=(self._buffer, self._notempty, self._reader.close, self._writer.close, self._ignore_epipe,
-                  self._on_queue_feeder_error, self._sem, self._unsent,
+                  self._on_queue_feeder_error, self._sem,
                   self._failures if self._raise_later else None, self._sending,
                   self._chan),
             name="QueueFeederThread", daemon=True)
@@ -505,7 +524,7 @@ class _ShmQueue(_OnChannel, _QueueBase):
               reader_close: Callable[[], None],
               writer_close: Callable[[], None], ignore_epipe: bool,
               onerror: Callable[[BaseException, object], None], queue_sem: BoundedSemaphore,
-              unsent: list[int], failures: list[BaseException] | None,
+              failures: list[BaseException] | None,
               sending: _Sending, chan: Channel) -> None:
         """The stdlib's ``Queue._feed``, sending the frames ``put`` made.  On an error it
         does what the stdlib's does (EPIPE ignored when asked, nothing reported while the
@@ -514,6 +533,7 @@ class _ShmQueue(_OnChannel, _QueueBase):
         room for now goes back to the head of the buffer while the feeder waits for room,
         so that a ``put`` can send it meanwhile (see ``_help_send``)."""
         debug("starting thread to feed data to pipe")
+        sending.feeder = threading.current_thread()
         sending.feeding.set()
         waits = 0  # tries in a row that found the channel full
         while True:
@@ -539,10 +559,6 @@ class _ShmQueue(_OnChannel, _QueueBase):
                         if not _feed_failed(e, item, ignore_epipe, onerror, queue_sem,
                                             notempty, failures):
                             return
-                    finally:
-                        if done:
-                            with notempty:
-                                unsent[0] -= 1
                     if not done:
                         buffer.appendleft(item)
                 if not done:
@@ -665,13 +681,15 @@ class _Sending:
     """Who takes frames off a queue's buffer to send them: the feeder, or a put helping
     it (``lock``)."""
 
-    __slots__ = ("lock", "feeding")
+    __slots__ = ("lock", "feeding", "feeder")
 
     WAIT = 0.005  # seconds a put waits for the feeder's turn
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.feeding = threading.Event()  # set by the feeder as it begins
+        # the feeder thread, set by itself as it begins (where no signal handler runs)
+        self.feeder: threading.Thread | None = None
 
 
 def _try_send(item: Frame, chan: Channel) -> bool:

@@ -293,18 +293,18 @@ def _own_idle_put(seg: Segment) -> None:
     idle = _own_idle[seg.kind]
     if seg.key not in idle:
         _next_trim = min(_next_trim, seg.idle_since + IDLE_SECONDS[seg.kind])
-        idle[seg.key] = seg
-        _buckets.setdefault((seg.kind, seg.size.bit_length()), OrderedDict())[seg.key] = seg
-        _own_idle_bytes += seg.size
+        bucket = _buckets.setdefault((seg.kind, seg.size.bit_length()), OrderedDict())
+        # one line of stores and no call (where a signal handler runs): its exception
+        # never finds the idle table and the size buckets out of step
+        idle[seg.key] = seg; bucket[seg.key] = seg; _own_idle_bytes += seg.size  # noqa: E702
 
 
 def _own_idle_drop(seg: Segment) -> None:
     global _own_idle_bytes
     idle = _own_idle.get(seg.kind)
     if idle is not None and idle.get(seg.key) is seg:
-        del idle[seg.key]
-        del _buckets[(seg.kind, seg.size.bit_length())][seg.key]
-        _own_idle_bytes -= seg.size
+        bucket = _buckets[(seg.kind, seg.size.bit_length())]
+        del idle[seg.key]; del bucket[seg.key]; _own_idle_bytes -= seg.size  # noqa: E702 (as above)
 
 
 class _AnchorRef(weakref.ref[np.ndarray]):

@@ -6,8 +6,9 @@ What may be lost (docs/channel-design.md, "Failure table", and the ring's in
 docs/architecture.md):
 
 * a producer, whenever it dies: nothing it acknowledged.  A producer acknowledges a
-  message once ``put()`` returned and its queue has nothing left unsent (``_unsent``: the
-  feeder thread, or ``put`` itself, has written the record); a record written is
+  message once ``put()`` returned and its queue has nothing left unsent (``_unsent``: its
+  buffer empty and no frame being sent: the feeder thread, or ``put`` itself, has written
+  the record); a record written is
   delivered, the datagram of a record never written (a death between the two) is closed.
 * a consumer, whenever it dies: at most one message, the one it was taking (the ring's
   head moved, or its body's datagram read off the side socket, before the consumer
@@ -59,6 +60,17 @@ _CORRUPT = 1 << 63
 _SIZE = _LOGS + MAX_IDS * (8 + 8 * LOG)
 
 
+
+def _unsent(q) -> int:
+    """Frames ``q``'s feeder has not sent yet: those in its buffer, and one being sent
+    (the feeder holds the sending lock while a frame is off the buffer and unsent)."""
+    if not q._sending.lock.acquire(False):
+        return len(q._buffer) + 1
+    try:
+        return len(q._buffer)
+    finally:
+        q._sending.lock.release()
+
 def _u32(board: mmap.mmap) -> memoryview:
     return memoryview(board).cast("I")
 
@@ -107,12 +119,12 @@ def producer(q, board: mmap.mmap, wid: int, stall: tuple[int, int, bool] | None)
     while not board[_STOP]:
         q.put(mixed_message(wid, seq))
         seq += 1
-        if not q._unsent[0]:  # every message put so far is a record of the ring
+        if not _unsent(q):  # every message put so far is a record of the ring
             acks[_ACKS // 4 + wid] = seq
-        while ring.qsize() + q._unsent[0] > BACKLOG and not board[_STOP]:
+        while ring.qsize() + _unsent(q) > BACKLOG and not board[_STOP]:
             time.sleep(0.0005)
     deadline = time.monotonic() + JOIN
-    while q._unsent[0]:
+    while _unsent(q):
         if time.monotonic() > deadline:
             os._exit(6)
         time.sleep(0.001)

@@ -159,3 +159,37 @@ def test_a_fork_after_arrays_were_made_and_dropped_warns_nothing(python, tmp_pat
                        text=True, timeout=JOIN, env=env)
     assert r.returncode == 0 and r.stdout.split() == ["ok"], (r.stdout, r.stderr)
     assert "DeprecationWarning" not in r.stderr, r.stderr
+
+
+def test_an_exception_while_a_segment_goes_idle_leaves_the_idle_tables_in_step(monkeypatch):
+    """A segment of this process that goes idle is listed in the idle table and in its
+    size bucket as one step: an exception (a signal handler's) at the call before it
+    leaves it in neither, so a later reuse or trim finds the two tables in step."""
+    big = shmtensor.empty(_segments.SLAB_ITEM_MAX * 2, dtype=np.uint8)
+    seg = _segments.segment_of(big)
+    del big
+    gc.collect()
+    _segments.settle()  # the segment went idle: listed in both tables
+    idle = _segments._own_idle[seg.kind]
+    assert idle.get(seg.key) is seg
+    with _segments._lock:
+        _segments._own_idle_drop(seg)
+        bytes_before = _segments._own_idle_bytes
+
+        class Interrupted(Exception):
+            pass
+
+        class Cut(dict):
+            def setdefault(self, *args):
+                raise Interrupted
+        real = _segments._buckets
+        monkeypatch.setattr(_segments, "_buckets", Cut(real))
+        with pytest.raises(Interrupted):
+            _segments._own_idle_put(seg)
+        monkeypatch.setattr(_segments, "_buckets", real)
+        assert seg.key not in idle and _segments._own_idle_bytes == bytes_before
+        _segments._own_idle_put(seg)  # as the next settle does
+        assert idle.get(seg.key) is seg
+        assert seg.key in real[(seg.kind, seg.size.bit_length())]
+    shmtensor.empty_cache()  # drops it from both: a KeyError had they been out of step
+    assert seg.key not in idle

@@ -549,10 +549,13 @@ def test_a_signal_handlers_exception_while_put_pickles_is_raised_by_put(kind):
     q.join_thread()
 
 
-def test_a_feeder_whose_start_was_cut_short_is_still_the_queues_only_feeder(monkeypatch):
+@pytest.mark.parametrize("twice", [False, True], ids=["in_start", "in_start_and_wait"])
+def test_a_feeder_whose_start_was_cut_short_is_still_the_queues_only_feeder(monkeypatch,
+                                                                          twice):
     """A signal handler's exception in ``Thread.start``'s wait for the new feeder (the
-    first put's) leaves that thread running: the queue keeps it as its feeder, starts no
-    second one, and ``join_thread`` sees it end."""
+    first put's), and again in the put's own wait for it to feed, leaves that thread
+    running: the queue keeps it as its feeder, starts no second one, and ``join_thread``
+    sees it end."""
     import threading
 
     class Alarm(Exception):
@@ -565,12 +568,21 @@ def test_a_feeder_whose_start_was_cut_short_is_still_the_queues_only_feeder(monk
         if self.name == "QueueFeederThread":
             raise Alarm
 
+    class CutWait(threading.Event):
+        def wait(self, timeout=None):
+            super().wait(timeout)
+            raise Alarm
+
     before = {t for t in threading.enumerate() if t.name == "QueueFeederThread"}
     q = smp.Queue()
+    if twice:
+        feeding = q._sending.feeding = CutWait()
     monkeypatch.setattr(threading.Thread, "start", cut_short)
     with pytest.raises(Alarm):
         q.put("first")
     monkeypatch.setattr(threading.Thread, "start", start)
+    if twice:
+        assert q._thread is None and feeding.is_set()  # cut short in both waits
     q.put("second")  # (a put that raises has queued nothing)
     assert q.get(timeout=JOIN) == "second"
     feeders = {t for t in threading.enumerate() if t.name == "QueueFeederThread"} - before
@@ -617,13 +629,9 @@ def test_a_frame_sent_by_a_put_helping_the_feeder_is_never_sent_again(monkeypatc
     # no feeder thread: this test sends the buffer's frames, as a put's help or the feeder
     q._thread = threading.Thread(target=lambda: None)
     try:
-        with q._notempty:
-            q._unsent[0] += 1  # a frame in the feeder's hands: puts queue behind it
-        with q._sending.lock:  # so that the puts' help sends nothing yet
+        with q._sending.lock:  # as while the feeder sends: the puts queue behind it
             for i in range(3):
                 q.put(i)
-        with q._notempty:
-            q._unsent[0] -= 1
         assert len(q._buffer) == 3
 
         post, calls = _channel.Channel.post, []
@@ -645,14 +653,59 @@ def test_a_frame_sent_by_a_put_helping_the_feeder_is_never_sent_again(monkeypatc
         else:
             while q._buffer:
                 assert _queues._send_item(q._buffer.popleft(), q._chan)
-                with q._notempty:
-                    q._unsent[0] -= 1
-        assert not q._buffer and q._unsent[0] == 0
+        assert not q._buffer
         got = [q.get(timeout=JOIN) for _ in range(3)]
         assert got == [0, 1, 2]
         with pytest.raises(Empty):
             q.get(timeout=0.2)  # nothing sent twice
     finally:
         q._thread = None
+        q.close()
+        q.join_thread()
+
+
+@pytest.mark.parametrize("when, cut_by", [("before", KeyboardInterrupt),
+                                          ("before", TimeoutError), ("after", TimeoutError)])
+def test_a_put_cut_short_around_its_write_keeps_the_queues_counts(monkeypatch, when, cut_by):
+    """An exception (a signal handler's) in the put's send: before the record is written,
+    put raises and gives back what it took (the bounded queue's place, the joinable
+    task), so join() does not wait for a message that never went; after it is written,
+    even an OSError (TimeoutError) is not taken for a failed send: the message is
+    delivered and counted once, and a later put sends in the caller's thread again."""
+    from shmtensor import _channel
+
+    q = smp.JoinableQueue(4)
+    try:
+        q.put("warm")
+        assert q.get(timeout=JOIN) == "warm"
+        q.task_done()
+        post, cut = _channel.Channel.post, []
+
+        def cut_short(self, *args, **kwargs):
+            if not cut:
+                cut.append(1)
+                if when == "before":
+                    raise cut_by("before the write")
+                post(self, *args, **kwargs)
+                raise cut_by("after the write")
+            return post(self, *args, **kwargs)
+        monkeypatch.setattr(_channel.Channel, "post", cut_short)
+        with pytest.raises(cut_by, match=f"{when} the write"):
+            q.put(1)
+        if when == "after":
+            assert q.get(timeout=JOIN) == 1
+            q.task_done()
+        assert q._sem.get_value() == 4 and q._unfinished_tasks.get_value() == 0
+        q.join()  # nothing unfinished: returns at once
+        assert not q._buffer
+        sent_now = []
+        real = q._send_now
+        monkeypatch.setattr(q, "_send_now", lambda *a: sent_now.append(real(*a)) or sent_now[-1])
+        q.put(2)
+        assert sent_now == [True] and q.get(timeout=JOIN) == 2
+        q.task_done()
+        with pytest.raises(Empty):
+            q.get(timeout=0.2)
+    finally:
         q.close()
         q.join_thread()
