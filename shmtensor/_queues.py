@@ -343,22 +343,28 @@ class _ShmQueue(_OnChannel, _QueueBase):
                 raise  # the caller's, as the stdlib's put (which pickles in the feeder) has it
             data, ctx = None, None
             item = _Unpicklable(e, obj)
-        if not self._sem.acquire(False) and not _room(self._sem, self._maxsize, block,
-                                                      timeout):
-            if ctx is not None:
-                ctx.release()
-            raise Full
         joinable = getattr(self, "_cond", None)
-        if joinable is not None:  # counted first, as the stdlib does, but not held while sending
-            _locked(joinable, self._unfinished_tasks.release)
+        # what this put took and what went out, each marked in the step that does it (C
+        # calls from the taking to the mark: see _locked), so that a signal handler's
+        # exception anywhere gives back exactly what it took and nothing on its way
+        took: list[bool] = []     # [.., True] once it holds a place in the semaphore
+        counted: list[None] = []  # [None] once its task is counted (a JoinableQueue's)
+        sent: list[int] = []      # the record's number, in the step that writes it
+        queued: list[None] = []   # [None], in the step that puts the frame in the buffer
         # the condition's own lock, taken and let go of with no Python frame in between
         # (see _locked): a signal handler's exception (torch's SIGCHLD handler raises one
         # when a DataLoader worker dies) never leaves it held by nobody
         lock: Any = self._notempty._lock  # type: ignore[attr-defined]  # Condition's lock
         held: list[bool] = []
-        sent: list[int] = []      # the record's number, in the step that writes it
-        queued: list[None] = []   # [None], in the step that puts the frame in the buffer
         try:
+            took.extend(starmap(self._sem.acquire, ((False,),)))
+            if not took[-1]:
+                _room(self._sem, self._maxsize, block, timeout, took)
+                if not took[-1]:
+                    raise Full
+            if joinable is not None:  # counted first, as the stdlib does, not held while sending
+                _locked(joinable, counted.extend,
+                        starmap(self._unfinished_tasks.release, ((),)))
             held.extend(starmap(lock.acquire, ((),)))
             if self._thread is None:  # on first put, as the stdlib's, even if it sends here
                 self._start_thread()  # (gh-109047: no thread at finalization)
@@ -377,7 +383,10 @@ class _ShmQueue(_OnChannel, _QueueBase):
             # send (not a signal handler's exception) says what to do
             if ctx is not None:
                 ctx.release()
-            self._undo_put(joinable)
+            if counted:
+                _locked(joinable, self._unfinished_tasks.acquire, False)
+            if took and took[-1]:
+                self._sem.release()
             if isinstance(e, OSError) and data is not None and not _raised_by_a_signal_handler(e):
                 data = None  # see send_error
                 raise send_error(e, "put() failed")
@@ -445,12 +454,6 @@ class _ShmQueue(_OnChannel, _QueueBase):
                 if not block:
                     raise
 
-    def _undo_put(self, joinable: _Joinable | None) -> None:
-        """Give back what a put that raised had taken."""
-        if joinable is not None:
-            _locked(joinable, self._unfinished_tasks.acquire, False)
-        self._sem.release()
-
     def close(self) -> None:
         """As the stdlib's (a no-op for a queue never put to: its socket closes with the
         queue, and ``empty()`` still answers); raises a send failure the feeder met and
@@ -469,8 +472,9 @@ class _ShmQueue(_OnChannel, _QueueBase):
         """The stdlib's (3.12's, which also stands for 3.10-3.11 and 3.13), starting this
         class's :meth:`_feed`."""
         debug("Queue._start_thread()")
-        feeder = self._sending.feeder
-        if feeder is not None:
+        sending = self._sending
+        feeder = sending.feeder
+        if feeder is not None and _began(sending, 1.0):
             # a feeder whose start a signal handler's exception cut short (in start's wait,
             # then in the wait below): it runs, and is this queue's (a second would race
             # it, and join_thread would never see it end)
@@ -487,6 +491,7 @@ class _ShmQueue(_OnChannel, _QueueBase):
                   self._failures if self._raise_later else None, self._sending,
                   self._chan),
             name="QueueFeederThread", daemon=True)
+        sending.feeder = thread  # known before it runs: a start cut short may still run it
         try:
             thread.start()
         except BaseException:
@@ -496,7 +501,7 @@ class _ShmQueue(_OnChannel, _QueueBase):
             # join_thread would never see it end)
             # (the thread may also have died starting: threading's own cleanup of the
             # cut-short start removes what the new thread looks for; it then never feeds)
-            if self._sending.feeding.wait(1.0):
+            if _began(sending, 1.0):
                 self._thread = thread
                 self._feeder_finalizers()
             raise
@@ -533,8 +538,7 @@ class _ShmQueue(_OnChannel, _QueueBase):
         room for now goes back to the head of the buffer while the feeder waits for room,
         so that a ``put`` can send it meanwhile (see ``_help_send``)."""
         debug("starting thread to feed data to pipe")
-        sending.feeder = threading.current_thread()
-        sending.feeding.set()
+        sending.began = True
         waits = 0  # tries in a row that found the channel full
         while True:
             with notempty:
@@ -580,13 +584,18 @@ class _ShmQueue(_OnChannel, _QueueBase):
 ROOM_FIRST, ROOM_MOST, ROOM_LOOKS, ROOM_MIN = 100e-6, 1e-3, 0.05, 32
 
 
-def _room(sem: BoundedSemaphore, maxsize: int, block: bool, timeout: float | None) -> bool:
+def _room(sem: BoundedSemaphore, maxsize: int, block: bool, timeout: float | None,
+          took: list[bool]) -> None:
     """Take a place in a full queue's semaphore ``sem`` (of ``maxsize``), as
-    ``sem.acquire(block, timeout)`` does: True once taken, False at the deadline."""
+    ``sem.acquire(block, timeout)`` does: ``took`` ends with True once it is taken (in the
+    step that takes it: a signal handler's exception never finds it taken and unmarked),
+    else with False at the deadline."""
     if not block:
-        return False
+        took.append(False)
+        return
     if maxsize < ROOM_MIN:
-        return sem.acquire(True, timeout)
+        took.extend(starmap(sem.acquire, ((True, timeout),)))
+        return
     now = time.monotonic()
     deadline = None if timeout is None else now + max(0.0, timeout)
     until = now + ROOM_LOOKS if deadline is None else min(now + ROOM_LOOKS, deadline)
@@ -594,10 +603,13 @@ def _room(sem: BoundedSemaphore, maxsize: int, block: bool, timeout: float | Non
     while now < until:
         time.sleep(min(pause, until - now))
         pause = min(2 * pause, ROOM_MOST)
-        if sem.get_value() >= half and sem.acquire(False):
-            return True
+        if sem.get_value() >= half:
+            took.extend(starmap(sem.acquire, ((False,),)))
+            if took[-1]:
+                return
         now = time.monotonic()
-    return sem.acquire(True, None if deadline is None else max(0.0, deadline - now))
+    took.extend(starmap(sem.acquire, ((True, None if deadline is None
+                                       else max(0.0, deadline - now)),)))
 
 
 def _count(frame: scm_rights.Frame, sem: BoundedSemaphore) -> None:
@@ -681,15 +693,28 @@ class _Sending:
     """Who takes frames off a queue's buffer to send them: the feeder, or a put helping
     it (``lock``)."""
 
-    __slots__ = ("lock", "feeding", "feeder")
+    __slots__ = ("lock", "began", "feeder")
 
     WAIT = 0.005  # seconds a put waits for the feeder's turn
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.feeding = threading.Event()  # set by the feeder as it begins
-        # the feeder thread, set by itself as it begins (where no signal handler runs)
+        self.began = False  # set by the feeder as it begins (see _began)
+        # the feeder thread, set before it is started (see Queue._start_thread)
         self.feeder: threading.Thread | None = None
+
+
+def _began(sending: _Sending, seconds: float) -> bool:
+    """Whether the feeder began, waiting up to ``seconds`` for it.  Polled, with no lock
+    taken: a ``threading.Event``'s wait enters its condition by a Python ``with``, at
+    whose return a signal handler's exception leaves the lock held by nobody, and every
+    later wait (and the feeder's set) hangs."""
+    end = time.monotonic() + seconds
+    while not sending.began:
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.0005)
+    return True
 
 
 def _try_send(item: Frame, chan: Channel) -> bool:

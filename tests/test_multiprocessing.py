@@ -568,21 +568,24 @@ def test_a_feeder_whose_start_was_cut_short_is_still_the_queues_only_feeder(monk
         if self.name == "QueueFeederThread":
             raise Alarm
 
-    class CutWait(threading.Event):
-        def wait(self, timeout=None):
-            super().wait(timeout)
-            raise Alarm
+    from shmtensor import _queues
+    began = _queues._began
+
+    def cut_wait(sending, seconds):
+        began(sending, seconds)
+        raise Alarm
 
     before = {t for t in threading.enumerate() if t.name == "QueueFeederThread"}
     q = smp.Queue()
     if twice:
-        feeding = q._sending.feeding = CutWait()
+        monkeypatch.setattr(_queues, "_began", cut_wait)
     monkeypatch.setattr(threading.Thread, "start", cut_short)
     with pytest.raises(Alarm):
         q.put("first")
     monkeypatch.setattr(threading.Thread, "start", start)
     if twice:
-        assert q._thread is None and feeding.is_set()  # cut short in both waits
+        monkeypatch.setattr(_queues, "_began", began)
+        assert q._thread is None and q._sending.began  # cut short in both waits
     q.put("second")  # (a put that raises has queued nothing)
     assert q.get(timeout=JOIN) == "second"
     feeders = {t for t in threading.enumerate() if t.name == "QueueFeederThread"} - before
