@@ -286,21 +286,26 @@ class _ShmQueue(_OnChannel, _QueueBase):
         record's number as it is written (see ``Ring.put``).
 
         Order: frames wait in the buffer, and one the feeder took off it is sent, or put
-        back, under the sending lock (as a put's help sends); nothing is appended while
-        the caller holds ``_notempty``.  So a buffer found empty, then that lock free,
-        then the buffer empty again means nothing put earlier is unsent (a frame the
-        feeder had in hand when the buffer was first looked at was sent, or is back)."""
-        if (self._buffer or self._sending.lock.locked() or self._buffer
-                or len(data) > scm_rights.ATOMIC_MAX):
-            return False  # after what waits; a large one is the feeder's, as in the stdlib
+        back, under the sending lock (as a put's help sends), so with that lock held here
+        (taken without waiting) and the buffer empty nothing put earlier is unsent."""
+        if self._buffer or len(data) > scm_rights.ATOMIC_MAX:
+            return False  # a large one is the feeder's to send, as in the stdlib
+        lock = self._sending.lock
+        took: list[bool] = []  # taken and let go of by C calls alone (see _locked)
         try:
-            self._chan.post(data, ctx, False, sent=sent)
-        except Full:
-            return False
-        except BrokenPipeError:
-            if self._ignore_epipe:  # concurrent.futures: the feeder drops it, as in the stdlib
+            took.extend(starmap(lock.acquire, ((False,),)))
+            if not took[0] or self._buffer:
+                return False  # a frame is being sent, or was put back: this one after it
+            try:
+                self._chan.post(data, ctx, False, sent=sent)
+            except Full:
                 return False
-            raise
+            except BrokenPipeError:
+                if self._ignore_epipe:  # concurrent.futures: the feeder drops it, as stdlib
+                    return False
+                raise
+        finally:
+            if took and took[0]: lock.release()  # noqa: E701 (first call of its line)
         ctx.release()
         return True
 
