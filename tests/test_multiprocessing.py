@@ -712,3 +712,67 @@ def test_a_put_cut_short_around_its_write_keeps_the_queues_counts(monkeypatch, w
     finally:
         q.close()
         q.join_thread()
+
+
+def test_a_put_never_overtakes_a_frame_the_feeder_put_back_and_took_again(monkeypatch):
+    """A put sends in its own thread only when nothing put before it is unsent.  The
+    feeder takes a frame off the buffer, finds the channel full, puts it back, lets go of
+    the sending lock, and takes it again: a put that looked at the buffer (empty: the
+    frame in the feeder's hand), then at the lock (free: the frame back), then at the
+    buffer (empty again: taken again) would send its message first.  The put holds the
+    lock while it looks and sends (review AF's schedule, its windows stretched)."""
+    import threading
+    from shmtensor import _queues
+
+    class SlowToLook:
+        """The sending lock; in the putting thread, ``locked()`` waits until the lock is
+        free, then the thread is preempted for 3 ms before its next look."""
+
+        def __init__(self, lock, who):
+            self._lock, self._who, self.armed = lock, who, False
+
+        def acquire(self, *args):
+            return self._lock.acquire(*args)
+
+        def release(self):
+            return self._lock.release()
+
+        def __enter__(self):
+            return self._lock.__enter__()
+
+        def __exit__(self, *args):
+            return self._lock.__exit__(*args)
+
+        def locked(self):
+            if threading.current_thread() is self._who and self.armed:
+                self.armed = False
+                end = time.monotonic() + 1
+                while self._lock.locked() and time.monotonic() < end:
+                    time.sleep(0)
+                time.sleep(0.003)
+                return False
+            return self._lock.locked()
+
+    q = smp.Queue()
+    try:
+        q.put(("start", 0))  # the feeder started
+        assert q.get(timeout=JOIN)[0] == "start"
+        feeder, real, tries = q._thread, _queues._try_send, [0]
+
+        def try_send(item, chan):
+            if threading.current_thread() is feeder:
+                tries[0] += 1
+                time.sleep(0.005)
+                if tries[0] == 1:
+                    return False  # the channel had no room: the frame goes back
+            return real(item, chan)
+        monkeypatch.setattr(_queues, "_try_send", try_send)
+        lock = q._sending.lock = SlowToLook(q._sending.lock, threading.current_thread())
+        q.put(("A", b"a" * 40_000))  # over ATOMIC_MAX: the feeder's to send
+        time.sleep(0.002)  # the feeder took A, and is in its first try
+        lock.armed = True
+        q.put(("B", 1))
+        assert [q.get(timeout=JOIN)[0] for _ in range(2)] == ["A", "B"]
+    finally:
+        q.close()
+        q.join_thread()
