@@ -1,5 +1,5 @@
 """Process targets for tests/test_channel.py and tests/test_channel_kill.py (importable
-by spawned children)."""
+by spawned children), and what the queue tests ask of a queue's feeder."""
 
 from __future__ import annotations
 
@@ -67,3 +67,14 @@ def consume_mixed(q, out) -> None:
     out.put((ok, seen))
     out.close()
     out.join_thread()
+
+
+def unsent(q) -> int:
+    """Frames ``q``'s feeder has not sent yet: those in its buffer, and one being sent
+    (the feeder holds the sending lock while a frame is off the buffer and unsent)."""
+    if not q._sending.lock.acquire(False):
+        return len(q._buffer) + 1
+    try:
+        return len(q._buffer)
+    finally:
+        q._sending.lock.release()

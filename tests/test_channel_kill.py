@@ -37,7 +37,7 @@ import shmtensor.multiprocessing as smp
 from shmtensor._channel import Lost
 from shmtensor.ipc import ring as ringmod
 
-from channel_helpers import check_mixed, mixed_message
+from channel_helpers import check_mixed, mixed_message, unsent
 
 pytestmark = pytest.mark.skipif(not ringmod.HAVE_RING, reason="needs memfd, OFD locks, futex")
 
@@ -59,17 +59,6 @@ MAX_IDS = 512
 _CORRUPT = 1 << 63
 _SIZE = _LOGS + MAX_IDS * (8 + 8 * LOG)
 
-
-
-def _unsent(q) -> int:
-    """Frames ``q``'s feeder has not sent yet: those in its buffer, and one being sent
-    (the feeder holds the sending lock while a frame is off the buffer and unsent)."""
-    if not q._sending.lock.acquire(False):
-        return len(q._buffer) + 1
-    try:
-        return len(q._buffer)
-    finally:
-        q._sending.lock.release()
 
 def _u32(board: mmap.mmap) -> memoryview:
     return memoryview(board).cast("I")
@@ -119,12 +108,12 @@ def producer(q, board: mmap.mmap, wid: int, stall: tuple[int, int, bool] | None)
     while not board[_STOP]:
         q.put(mixed_message(wid, seq))
         seq += 1
-        if not _unsent(q):  # every message put so far is a record of the ring
+        if not unsent(q):  # every message put so far is a record of the ring
             acks[_ACKS // 4 + wid] = seq
-        while ring.qsize() + _unsent(q) > BACKLOG and not board[_STOP]:
+        while ring.qsize() + unsent(q) > BACKLOG and not board[_STOP]:
             time.sleep(0.0005)
     deadline = time.monotonic() + JOIN
-    while _unsent(q):
+    while unsent(q):
         if time.monotonic() > deadline:
             os._exit(6)
         time.sleep(0.001)

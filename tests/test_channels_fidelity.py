@@ -23,21 +23,11 @@ import shmtensor.multiprocessing as smp
 from shmtensor.ipc import ofd_lease
 from shmtensor import _queues
 
+from channel_helpers import unsent
 from conftest import JOIN, START_METHODS, join_all
 
 SPAWNING = [m for m in ("spawn", "forkserver") if m in START_METHODS]
 
-
-
-def _unsent(q) -> int:
-    """Frames ``q``'s feeder has not sent yet: those in its buffer, and one being sent
-    (the feeder holds the sending lock while a frame is off the buffer and unsent)."""
-    if not q._sending.lock.acquire(False):
-        return len(q._buffer) + 1
-    try:
-        return len(q._buffer)
-    finally:
-        q._sending.lock.release()
 
 def _outcome(fn, *args):
     """What a call did: ("ok", value) or (exception type name, message)."""
@@ -284,11 +274,11 @@ def test_put_sends_the_backlog_while_the_feeder_waits(monkeypatch):
             sent += 1
             assert sent < 100_000, "the socket never filled"
         assert stalled.wait(JOIN)
-        got = [q.get(timeout=JOIN)[0] for _ in range(sent - _unsent(q))]  # room again
-        waiting = _unsent(q)
+        got = [q.get(timeout=JOIN)[0] for _ in range(sent - unsent(q))]  # room again
+        waiting = unsent(q)
         q.put((sent, item))  # sends what waits first, as far as the socket takes it
         sent += 1
-        by_put = waiting + 1 - _unsent(q)
+        by_put = waiting + 1 - unsent(q)
         assert by_put > 0, "the put left every waiting frame to the held feeder"
         got += [q.get(timeout=JOIN)[0] for _ in range(by_put)]
         resume.set()
@@ -308,7 +298,7 @@ def test_put_to_a_queue_nobody_reads_says_so():
     assert "message was not sent" in str(info.value)
     assert q.qsize() == 0  # the slot was given back
     q.put(b"x" * 100_000)  # too large to send at once: the feeder meets EPIPE
-    _wait_for(lambda: not _unsent(q), "the feeder")
+    _wait_for(lambda: not unsent(q), "the feeder")
     with pytest.raises(BrokenPipeError, match="the feeder thread could not send") as info:
         q.put(1)
     assert "this put() did not queue its object" in str(info.value)
@@ -356,7 +346,7 @@ def _producer_at_the_limit(q, out):
         x = shmtensor.zeros(1000)
         q.put(("warm", x))  # lease table and segment made while fds are plentiful
         q.put(("warm", b"y" * 50_000, x))
-        _wait_for(lambda: not _unsent(q), "the feeder")  # sent while fds are plentiful
+        _wait_for(lambda: not unsent(q), "the feeder")  # sent while fds are plentiful
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
         held = _fill_fds()
@@ -434,7 +424,7 @@ def _produce_until_refused(q, n, limit):
             errors.append(str(e))
             dropped += _dropped(str(e))
             break
-    _wait_for(lambda: not _unsent(q), "the feeder")  # what it meets is raised by a put
+    _wait_for(lambda: not unsent(q), "the feeder")  # what it meets is raised by a put
     while True:
         try:
             q.put(("done", returned, dropped, errors))
