@@ -47,7 +47,8 @@ def server():
     try:
         yield s
     finally:
-        s.sock.close()
+        s.close()
+        assert not s._listener.is_alive(), "the listener thread outlived close()"
 
 
 def fetch(ep: _direct.Endpoint, k: int) -> np.ndarray:

@@ -99,8 +99,21 @@ class Server:
         self.sock.listen(64)
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.endpoint = Endpoint(ip, self.sock.getsockname()[1], self.token)
-        threading.Thread(target=self._accept, daemon=True,
-                         name="shmtensor-agent-listener").start()
+        self._listener = threading.Thread(target=self._accept, daemon=True,
+                                          name="shmtensor-agent-listener")
+        self._listener.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop listening and wait (up to ``timeout`` seconds) for the listener thread to
+        end; transfers under way finish on their own threads.  Closing the socket alone
+        would leave the listener blocked in ``accept`` for good: a shutdown wakes it."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # closed already, or never connected (not listening)
+            pass
+        self.sock.close()
+        if self._listener is not threading.current_thread():
+            self._listener.join(timeout)
 
     def _accept(self) -> None:
         while True:
