@@ -61,8 +61,17 @@ def cluster():
         sr.init(address=c.address, namespace="shmtensor-tests")
         yield c
     finally:
+        nodes = [c.head_node, *c.worker_nodes]
         ray.shutdown()
         c.shutdown()
+        # Ray registers an atexit closure per node that keeps the node and its GCS client.
+        # From Python 3.13 on, a child forked by multiprocessing clears the atexit registry
+        # (popen_fork), which frees that client there and shuts gRPC down in the child: it
+        # dies of SIGSEGV before running its target, and later tests that fork a producer
+        # wait for it for good.  Drop the clients here, in the parent, where that is safe.
+        for node in nodes:
+            if node is not None and hasattr(node, "_gcs_client"):
+                node._gcs_client = None
         from shmtensor.ray import _exports
         assert _exports.wait_released(DEADLINE), "exports still held after Ray shut down"
 
