@@ -15,6 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_the_package_passes_mypy_strict(tmp_path):
     pytest.importorskip("mypy", reason="mypy comes with the test extra (pip install -e .[test])")
+    # shmtensor/_torch.py is checked against torch's own annotations (and its ignores are
+    # for them): without torch installed, mypy finds other errors there
+    pytest.importorskip("torch", reason="the torch adapter is type-checked against torch")
     run = subprocess.run(
         [sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache")],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
