@@ -265,6 +265,12 @@ class _ShmQueue(_OnChannel, _QueueBase):
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
 
+    def empty(self) -> bool:
+        # the feeder closes the reader once close() stopped it: OSError then, as the
+        # stdlib's poll of its closed reader raises (an unused queue's close does nothing)
+        self._reader._check_closed()
+        return self._chan.empty()
+
     def _lost(self) -> None:
         self._sem.release()  # taken off the queue, if not delivered
 

@@ -776,3 +776,22 @@ def test_a_put_never_overtakes_a_frame_the_feeder_put_back_and_took_again(monkey
     finally:
         q.close()
         q.join_thread()
+
+
+@pytest.mark.parametrize("kind", ["Queue", "JoinableQueue"])
+def test_empty_after_close_raises_as_the_stdlibs_once_the_queue_was_used(kind):
+    """CPython 3.13's test_closed_queue_empty_exceptions, on every version: a queue never
+    put to says empty after close(); one that was used raises OSError (its reader is
+    closed once the feeder stopped), on ours as on the stdlib's."""
+    import multiprocessing
+    for module in (multiprocessing, smp):
+        unused = getattr(module, kind)()
+        unused.close()
+        unused.join_thread()
+        assert unused.empty()
+        used = getattr(module, kind)()
+        used.put("foo")
+        used.close()
+        used.join_thread()
+        with pytest.raises(OSError, match="is closed"):
+            used.empty()
