@@ -158,9 +158,10 @@ class _Joinable(Protocol):
 
 class _OnChannel:
     """What a queue on a channel (``_chan``) receives with, the same for Queue,
-    JoinableQueue and SimpleQueue: ``get`` (atomic: see Channel.take), ``get_async`` and
-    ``empty``.  A queue says how a get starts (``_check_get``) and what it counts
-    (``_lost``, ``_got``), and keeps ``_awaiting``."""
+    JoinableQueue and SimpleQueue: ``get`` (atomic: see Channel.take) and ``get_async``.
+    A queue says how a get starts (``_check_get``) and what it counts (``_lost``,
+    ``_got``), keeps ``_awaiting``, and says ``empty`` (each raises as its stdlib
+    counterpart does once closed)."""
 
     _chan: Channel
     _awaiting: weakref.WeakKeyDictionary[Any, Any]
@@ -173,9 +174,6 @@ class _OnChannel:
 
     def _got(self, frame: scm_rights.Frame) -> None:
         """A message was taken off the channel for this get (once per message)."""
-
-    def empty(self) -> bool:
-        return self._chan.empty()
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         """The stdlib's, receiving a frame with its fds."""
