@@ -110,7 +110,7 @@ from .posix_shm import PREFIX
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
 
-__all__ = ["HAVE_RING", "Ring", "SLICE", "MAX_PROCS"]
+__all__ = ["HAVE_RING", "Ring", "RingClosed", "SLICE", "MAX_PROCS"]
 
 _ARCH = platform.machine()
 _SYS_FUTEX = {"x86_64": 202, "AMD64": 202, "aarch64": 98, "arm64": 98}.get(_ARCH)
@@ -263,6 +263,11 @@ _LATER = -1.0  # a deadline not computed yet (the fast path never needs one)
 _rings: weakref.WeakSet[Ring] = weakref.WeakSet()
 
 
+class RingClosed(ValueError):
+    """A call on a ring this process closed, or one that was waiting in it (for a message,
+    for room or for a lock) when another thread of this process closed it."""
+
+
 def _reopen(fd: int) -> int:
     """A new open file description of ``fd``'s file (close-on-exec)."""
     return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
@@ -399,6 +404,7 @@ class Ring:
         exception from a signal handler can come after the write and before the caller
         knows of it; with ``sent``, the write and the append are one step (no Python code
         runs between them), so the caller tells a record written from one that was not."""
+        mem = self._mem  # the mapping stays while this call uses it (see close)
         if _cput is not None:  # the whole call in C, unless it must wait or repair
             done = _cput(self._base, self.capacity, self.record_size, self.index, data,
                          hook, sent)
@@ -411,10 +417,10 @@ class Ring:
         if type(data) is not bytes:
             data = memoryview(data).cast("B")
         n = len(data)
-        mem, q, words = self._mem, self._q, self._i
-        if n > self.payload_max or mem is None or q is None or words is None:
+        base, q, words = self._base, self._q, self._i
+        if n > self.payload_max or not base or mem is None or q is None or words is None:
             raise self._refusal(n)
-        lock = self._base + _W_LOCK
+        lock = base + _W_LOCK
         deadline: float | None = _LATER
         nested = False  # this thread held the lock before this call: not ours to let go
         try:  # from the try-lock on: an exception right after it finds the lock let go of
@@ -427,8 +433,8 @@ class Ring:
             if t - q[_HEAD_Q] >= self.capacity:
                 if deadline == _LATER:
                     deadline = _deadline(block, timeout)
-                self._sleep_while(_HEAD_Q, t - self.capacity, _W_SLEEPS_I, deadline,
-                                  queue.Full)
+                self._sleep_while(base, _HEAD_Q, t - self.capacity, _W_SLEEPS_I,
+                                  deadline, queue.Full)
             if hook is not None:
                 hook(t)
             off = _RECORDS + t % self.capacity * self.record_size
@@ -447,7 +453,7 @@ class Ring:
             if not nested:
                 _unlock(lock)  # EPERM, and nothing done, where this thread does not hold it
         if words[_R_SLEEPS_I]:
-            _wake(self._base + _TAIL)
+            _wake(base + _TAIL)
 
     def get(self, block: bool = True, timeout: float | None = None,
             *, hook: Callable[[int, int, bytes], object] | None = None,
@@ -467,16 +473,17 @@ class Ring:
         never both.  (With the C extension nothing runs between the two; in pure Python,
         an exception between them is caught and the advance made, and only a second
         exception inside that repair could leave the message in both.)"""
+        mem = self._mem  # as in put
         if _cget is not None:  # the whole call in C, unless it must wait or repair
             got = _cget(self._base, self.capacity, self.record_size, hook, into)
             if type(got) is bytes:
                 return got
             if got:
                 self.recovered += 1  # C took a lock over from a dead owner
-        mem, q, words = self._mem, self._q, self._i
-        if mem is None or q is None or words is None:
+        base, q, words = self._base, self._q, self._i
+        if not base or mem is None or q is None or words is None:
             raise self._refusal(0)
-        lock = self._base + _R_LOCK
+        lock = base + _R_LOCK
         deadline: float | None = _LATER
         nested = False  # as in put
         had = -1 if into is None else len(into)  # to tell whether into got the message
@@ -490,7 +497,7 @@ class Ring:
             if q[_TAIL_Q] == h:
                 if deadline == _LATER:
                     deadline = _deadline(block, timeout)
-                self._sleep_while(_TAIL_Q, h, _R_SLEEPS_I, deadline, queue.Empty)
+                self._sleep_while(base, _TAIL_Q, h, _R_SLEEPS_I, deadline, queue.Empty)
             if not _TSO:
                 _fence()  # the tail that published the record before the record
             off = _RECORDS + h % self.capacity * self.record_size
@@ -515,7 +522,7 @@ class Ring:
             if not nested:
                 _unlock(lock)
         if words[_W_SLEEPS_I]:
-            _wake(self._base + _HEAD)
+            _wake(base + _HEAD)
         if data is None:
             raise OSError(errno.EBADMSG, f"ring record {h} (place {h % self.capacity}) is "
                           f"malformed: sequence number {seq} (expected {h + 1}), writer "
@@ -527,12 +534,12 @@ class Ring:
         """Whether a message is waiting, after waiting up to ``timeout`` seconds for one
         (``None``: until one comes), without taking it: what ``Connection.poll`` needs.
         The wait holds the readers' lock, as a waiting ``get`` does."""
-        q = self._q
-        if q is None:
+        mem, base, q = self._mem, self._base, self._q  # mem: as in put
+        if mem is None or not base or q is None:
             raise self._refusal(0)
         if q[_TAIL_Q] != q[_HEAD_Q] or (timeout is not None and timeout <= 0):
             return bool(q[_TAIL_Q] != q[_HEAD_Q])
-        lock = self._base + _R_LOCK
+        lock = base + _R_LOCK
         deadline = _deadline(True, timeout)
         nested = False  # as in put
         try:
@@ -542,7 +549,7 @@ class Ring:
                 self._take(lock, rc, _R_SLEEPS_I, True, deadline, queue.Empty)
             h = q[_HEAD_Q]
             if q[_TAIL_Q] == h:
-                self._sleep_while(_TAIL_Q, h, _R_SLEEPS_I, deadline, queue.Empty)
+                self._sleep_while(base, _TAIL_Q, h, _R_SLEEPS_I, deadline, queue.Empty)
             return True
         except queue.Empty:
             return False
@@ -571,9 +578,10 @@ class Ring:
 
     def _sync(self, offset: int, flag: int, timeout: float | None,
               then: Callable[[], object] | None) -> None:
-        if self._q is None:
+        mem, base = self._mem, self._base  # mem: as in put
+        if mem is None or not base:
             raise self._refusal(0)
-        lock = self._base + offset
+        lock = base + offset
         nested = False  # as in put
         try:
             rc = _trylock(lock)
@@ -620,9 +628,14 @@ class Ring:
             return None
         return mem[off + _REC_SIZE:off + _REC_SIZE + min(n, size, self.payload_max)]
 
+    @property
+    def closed(self) -> bool:
+        """Whether this process closed the ring."""
+        return self._mem is None
+
     def _refusal(self, n: int) -> Exception:
-        if self._mem is None:
-            return ValueError("this ring is closed")
+        if self._mem is None or not self._base:
+            return RingClosed("this ring is closed")
         return ValueError(f"a message of {n} bytes does not fit a ring record (at most "
                           f"{self.payload_max} bytes): send it another way, or make the "
                           "ring with a larger record_size")
@@ -636,6 +649,8 @@ class Ring:
         words = self._i
         assert words is not None
         while rc == _EBUSY or rc == _ETIMEDOUT:
+            if not self._base:  # closed by another thread meanwhile
+                raise self._refusal(0)
             if not block:
                 if words[flag]:
                     raise exc()
@@ -657,14 +672,17 @@ class Ring:
                           "itself")
         elif rc:
             raise OSError(rc, f"could not take a ring's lock: {os.strerror(rc)}")
+        if not self._base:  # closed while this thread waited for the lock
+            raise self._refusal(0)
         return deadline
 
-    def _sleep_while(self, word: int, value: int, flag: int, deadline: float | None,
-                     exc: type[Exception]) -> None:
+    def _sleep_while(self, base: int, word: int, value: int, flag: int,
+                     deadline: float | None, exc: type[Exception]) -> None:
         """Wait until the sequence number ``_q[word]`` is no longer ``value`` (the caller
         holds the lock whose sleeper flag is ``_i[flag]``), or raise ``exc`` at
-        ``deadline``: spin for up to :attr:`spin` seconds while waits have been that short,
-        then sleep on the word's futex."""
+        ``deadline`` (``RingClosed`` once another thread closed the ring): spin for up to
+        :attr:`spin` seconds while waits have been that short, then sleep on the word's
+        futex.  ``base``: the mapping's address, which the caller keeps mapped."""
         q, words = self._q, self._i
         assert q is not None and words is not None
         spin = self.spin
@@ -675,14 +693,18 @@ class Ring:
                 if clock() > end:
                     self._hot = False  # waited past the budget: sleep at once next time
                     break
+                if not self._base:  # closed by another thread: the loop below raises
+                    break
                 pause()
             else:
                 return
-        addr, expected = self._base + 8 * word, value & _MASK
+        addr, expected = base + 8 * word, value & _MASK
         began = time.monotonic()
         words[flag] = 1
         try:
             while q[word] == value:
+                if not self._base:  # closed by another thread (its close woke this one)
+                    raise self._refusal(0)
                 if deadline is None:
                     left = SLICE
                 else:
@@ -752,19 +774,20 @@ class Ring:
         self.index = self._claim_index()
 
     def close(self) -> None:
-        """Unmap the ring and close its fds (the caller makes sure no thread of this
-        process is inside ``put`` or ``get``)."""
+        """Close the ring's fds and let go of its mapping.  A call of another thread that
+        waits in the ring (for a message, for room, for a lock) raises ``RingClosed``, at
+        once if it sleeps on the ring, else within :data:`SLICE`; every later call raises it
+        too.  The mapping goes once no call uses it: a call holds it (its local ``mem``),
+        so a close never unmaps the memory under a lock, futex or record in use."""
+        base, self._base = self._base, 0  # the C fast paths refuse a closed ring by it
         mem, self._mem = self._mem, None
         _rings.discard(self)
+        if base and mem is not None:  # a sleeper of this process wakes to see it closed
+            _wake(base + _TAIL)
+            _wake(base + _HEAD)
         self._anchor = None
-        for view in (self.user, self._q, self._i):
-            if view is not None:
-                view.release()
         self._q = self._i = None
         self.user = _NO_WORDS
-        self._base = 0  # the C fast paths refuse a closed ring by it
-        if mem is not None:
-            mem.close()
         for fd in (self._live, self.fd):
             if fd >= 0:
                 os.close(fd)

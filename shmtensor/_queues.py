@@ -197,6 +197,12 @@ class _OnChannel:
             except Lost:
                 self._lost()
                 raise
+            except ValueError:  # RingClosed, or the closed ring's words in a hook
+                if not chan.ring.closed:
+                    raise
+                # as the stdlib's reader meets the end of its closed pipe
+                raise EOFError("the queue was closed while this get() waited for a "
+                               "message") from None
             self._got(frame)
             return chan.take(_reductions.loads, held)  # lets go of the turn as it hands over
         except BaseException:
@@ -846,9 +852,9 @@ class SimpleQueue(_OnChannel, _SimpleQueueBase):
         data, ctx = dumps_to_send(obj, "put() failed")
         try:
             self._chan.post(data, ctx)
-        except OSError as e:
+        except (OSError, ValueError) as e:
             data = None  # type: ignore[assignment]  # see send_error
-            raise send_error(e, "put() failed")
+            raise _put_failed(e, self._chan)
         finally:
             ctx.release()
 
@@ -862,11 +868,22 @@ class SimpleQueue(_OnChannel, _SimpleQueueBase):
         data, ctx = dumps_to_send(obj, "put() failed")
         try:
             await _retried(lambda: self._chan.post(data, ctx, False), Full, None)
-        except OSError as e:
+        except (OSError, ValueError) as e:
             data = None  # type: ignore[assignment]  # see send_error
-            raise send_error(e, "put() failed")
+            raise _put_failed(e, self._chan)
         finally:
             ctx.release()
+
+
+def _put_failed(e: OSError | ValueError, chan: Channel) -> BaseException:
+    """What a SimpleQueue's put raises for ``e``, raised by its channel: BrokenPipeError
+    where another thread closed the queue meanwhile (``RingClosed``, or the closed ring or
+    side socket met in a hook), as the stdlib's writer meets its closed pipe; else
+    ``send_error``'s description of ``e``.  Nothing was sent."""
+    if chan.ring.closed:
+        return BrokenPipeError(errno.EPIPE, "the queue was closed while this put() waited "
+                               "for room in it; the message was not sent")
+    return send_error(e, "put() failed")
 
 
 @final
@@ -896,7 +913,12 @@ class _Reader:
     def poll(self, timeout: float | None = 0.0) -> bool:
         q = self._q()
         q._side._check_closed()
-        return q._chan.poll(timeout)
+        try:
+            return q._chan.poll(timeout)
+        except ValueError:  # closed while it waited: ready, and recv() says closed
+            if not q._chan.ring.closed:
+                raise
+            return True
 
     def recv(self) -> Any:
         return self._q().get()

@@ -390,6 +390,69 @@ def test_bad_arguments_and_files(no_leaks):
         ring.get()
 
 
+def _ring_maps(fd: int) -> int:
+    """How many mappings of ``fd``'s file this process has."""
+    ino = os.fstat(fd).st_ino
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if line.split()[4:5] == [str(ino)])
+
+
+def test_close_wakes_every_thread_waiting_in_the_ring_and_unmaps_after_them(no_leaks):
+    """Threads waiting in ``get`` on an empty ring (asleep on it, and behind the sleeper
+    for the lock), in ``put`` on a full one and in ``poll``: another thread's ``close``
+    makes each raise ``RingClosed``, never touching unmapped memory; the mapping goes once
+    the last of them has left."""
+    with Ring.create(1) as full:
+        full.put(b"x")
+        for get_wait in (0.0, 5.0):  # one asleep at once; one that spins first
+            ring = Ring.create(1)
+            ring.spin = get_wait
+            probe = os.dup(ring.fd)
+            try:
+                ring_full = Ring.attach(full.fd)
+                got: dict[str, type[BaseException] | None] = {}
+
+                def wait(name: str, call) -> None:
+                    try:
+                        call()
+                        got[name] = None
+                    except BaseException as e:  # its type: its frames would hold the ring
+                        got[name] = type(e)
+
+                calls = {"get 1": ring.get, "get 2": lambda: ring.get(timeout=JOIN),
+                         "poll": lambda: ring.poll(None)}
+                threads = [threading.Thread(target=wait, args=item) for item in calls.items()]
+                for t in threads:
+                    t.start()
+                deadline = time.monotonic() + JOIN
+                while not ring._i[ringmod._R_SLEEPS_I] and not get_wait:
+                    assert time.monotonic() < deadline, "no reader went to sleep"
+                    time.sleep(0.001)
+                time.sleep(0.05)  # the others wait for the lock meanwhile
+                assert not got, got
+                ring.close()
+                for t in threads:
+                    t.join(JOIN)
+                    assert not t.is_alive(), "a waiter did not wake at close"
+                assert got == dict.fromkeys(calls, ringmod.RingClosed)
+                assert _ring_maps(probe) == 0, "the ring is still mapped"
+                # a put waiting for room in a ring closed by another thread
+                t = threading.Thread(target=wait, args=("put", lambda: ring_full.put(b"y")))
+                t.start()
+                while not ring_full._i[ringmod._W_SLEEPS_I]:
+                    assert time.monotonic() < deadline, "no writer went to sleep"
+                    time.sleep(0.001)
+                ring_full.close()
+                t.join(JOIN)
+                assert not t.is_alive() and got["put"] is ringmod.RingClosed
+                with pytest.raises(ringmod.RingClosed, match="closed"):
+                    ring_full.poll()
+            finally:
+                os.close(probe)
+                ring.close()
+        assert full.get() == b"x"  # the other mapping of the full ring is untouched
+
+
 def test_out_of_process_indices(no_leaks, monkeypatch):
     """A process that finds every index taken gets an error that says so, and nothing of
     the attach stays open."""

@@ -4,6 +4,7 @@ and executors do, and a pool terminated while its workers wait for tasks."""
 
 import asyncio
 import threading
+import time
 from multiprocessing.connection import wait
 
 import numpy as np
@@ -121,6 +122,40 @@ def test_a_full_simple_queue_blocks_put_until_a_get():
             q.get()
         t.join(JOIN)
         q.close()
+
+
+@pytest.mark.parametrize("size", [10, 1000])  # ours: in the ring's records; beside them
+@pytest.mark.parametrize("lib", ["stdlib", "shmtensor"])
+def test_close_under_a_waiting_get_or_put_raises_as_the_stdlibs(lib, size):
+    """Another thread's close: a get waiting for a message raises EOFError, a put waiting
+    for room BrokenPipeError, with the stdlib's SimpleQueue and ours (never a crash).
+    (Messages of at most PIPE_BUF bytes: the stdlib's larger ones may be half written.)"""
+    import multiprocessing
+    mp = multiprocessing if lib == "stdlib" else smp
+    for side in ("get", "put"):
+        q = mp.get_context("fork").SimpleQueue()
+        puts, got = [0], []
+
+        def waiter() -> None:
+            try:
+                if side == "get":
+                    q.get()
+                while True:  # until the pipe or ring is full, then waits for room
+                    q.put(b"x" * size)
+                    puts[0] += 1
+            except BaseException as e:  # its type: its frames would hold the queue
+                got.append(type(e))
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        deadline, seen = time.monotonic() + JOIN, (-1, 0.0)
+        while seen[1] < 0.2:  # waits (no put for 0.2 s)
+            assert time.monotonic() < deadline and not got, got
+            time.sleep(0.01)
+            seen = (puts[0], 0.0) if puts[0] != seen[0] else (seen[0], seen[1] + 0.01)
+        q.close()
+        t.join(JOIN)
+        assert not t.is_alive() and got == [EOFError if side == "get" else BrokenPipeError]
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
