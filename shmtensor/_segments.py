@@ -139,7 +139,7 @@ class Segment:
         if self.mm is None:
             raise LookupError(f"segment {self.key} was unmapped here")
         # a ctypes array (a buffer, which numpy's stubs do not list): an ndarray
-        return np.frombuffer(self.mm.buffer, np.uint8,  # type: ignore[call-overload, no-any-return]
+        return np.frombuffer(self.mm.buffer, np.uint8,  # type: ignore[call-overload, no-any-return, unused-ignore]
                              count=self.size)
 
     def _watch(self, a: np.ndarray) -> list[int]:

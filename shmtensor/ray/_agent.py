@@ -59,13 +59,13 @@ class Raw:
         a = np.ascontiguousarray(self.array)
         # an ndarray has the buffer protocol: numpy's stubs say so from Python 3.12 on only
         return _raw_rebuild, (
-            pickle.PickleBuffer(a.reshape(-1).view(np.uint8)),  # type: ignore[arg-type]
+            pickle.PickleBuffer(a.reshape(-1).view(np.uint8)),  # type: ignore[arg-type, unused-ignore]
             a.dtype, a.shape)
 
 
 def _raw_rebuild(buf: Buffer, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
     # numpy's stubs accept any buffer from Python 3.12 on only (see Raw)
-    return np.frombuffer(buf, dtype).reshape(shape)  # type: ignore[call-overload,no-any-return]
+    return np.frombuffer(buf, dtype).reshape(shape)  # type: ignore[call-overload, no-any-return, unused-ignore]
 
 
 class Agent:

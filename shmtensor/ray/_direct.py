@@ -69,7 +69,7 @@ _ERRORS: dict[str, type[Exception]] = {"SenderGone": _host.SenderGone,
 def _bytes_of(a: np.ndarray) -> memoryview:
     """The bytes of C-contiguous ``a``, as one flat memoryview (no copy)."""
     # an ndarray has the buffer protocol: numpy's stubs say so from Python 3.12 on only
-    return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+    return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type, unused-ignore]
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
