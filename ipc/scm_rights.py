@@ -297,10 +297,23 @@ class FrameReader:
 
     def take(self, load: Callable[..., _T], *extra: object) -> _T:
         """``load(data, fds, *extra)`` (``extra``: at most one argument; see
-        :meth:`Frame.hand_to`) of the ready frame: its result.  ``load`` owns the
+        :meth:`Frame.hand_to`) of the ready frame: its result (see :meth:`load`)."""
+        frame = self.load(load, *extra)
+        self.ready = None; return frame.result[0]  # type: ignore[no-any-return]  # noqa: E702
+
+    def load(self, load: Callable[..., Any], *extra: object) -> Frame:
+        """The ready frame, its ``result`` made by ``load(data, fds, *extra)`` (``extra``:
+        at most one argument; see :meth:`Frame.hand_to`), still ready.  ``load`` owns the
         fds from its first line (it closes what it does not keep, however it ends).  An
         exception before ``load`` began leaves the frame for the next call; one after it
-        returned leaves its result there; one inside it discards the frame."""
+        returned leaves its result there; one inside it discards the frame.
+
+        The caller hands the result over in its own frame, one line with no call::
+
+            frames.ready = None; return frame.result[0]
+
+        (:meth:`take` does that for callers that may lose it: CPython 3.10 runs a signal
+        handler as any call returns, a Python function's included.)"""
         frame: Frame = self.ready  # type: ignore[assignment]  # read() returned True first
         if not frame.result:
             try:
@@ -312,9 +325,7 @@ class FrameReader:
                     frame.dead = True
                     self._drop(frame)
                 raise
-        # no line between the two; Any: a result an earlier call left (see above) is what
-        # that call's load returned
-        self.ready = None; return frame.result[0]  # type: ignore[no-any-return]  # noqa: E702
+        return frame
 
     def discard(self) -> None:
         """Close the fds of a pending frame, whole or not, and forget it (the channel is

@@ -518,12 +518,25 @@ class Channel:
                        "interrupted), or the message was malformed; the queue goes on")
         return frame
 
-    def take(self, load: Callable[..., _T], held: list[bool]) -> _T:
+    def load(self, load: Callable[..., Any]) -> tuple[int, scm_rights.Frame]:
         """``load(data, fds)`` of the frame :meth:`receive` returned (see
-        ``scm_rights.FrameReader.take``: the same hand-over, with the same guarantees).
-        ``held``: ``[True]`` while the caller holds :attr:`turn`, which the hand-over
-        lets go of (and marks so) before it hands the result over: an exception right
-        after that leaves the result for this process's next receive, never lost."""
+        ``scm_rights.FrameReader.load``: the same guarantees): ``(number, frame)``, its
+        ``result`` made, still taken (``_taken[0]``) and marked as being handed over by
+        this thread (``_handing``).  An exception here, or as it returns, leaves it for
+        this process's next receive.
+
+        The hand-over is the caller's, one line in its own frame, with the caller
+        holding :attr:`turn` (``held == [True]``)::
+
+            held[0] = False; chan.turn.release(); chan._last[0] = number; del chan._taken[0]; chan._handing = 0; return frame.result[0]
+
+        The turn is let go of (first marked so), then the frame dropped and its result
+        returned in one step: no call, and no jump that checks for signals, comes
+        between them.  A thread that gets the turn as ``release`` returns waits in
+        receive until ``_handing`` is cleared; an exception there leaves the frame and
+        ``_handing`` for :meth:`disown` (the caller's ``finally``).  It cannot be a
+        function of its own: CPython 3.10 runs a signal handler as any call returns
+        (a Python function's too), which would lose what it returned."""
         number, frame = self._taken[0]
         self._handing = threading.get_ident()
         if not frame.result:
@@ -535,11 +548,7 @@ class Channel:
                     self._last[0] = number; del self._taken[0]  # noqa: E702
                     scm_rights.close_fds(frame.fds)
                 raise
-        # one line, one call (the turn let go of, first marked so): then handed over, and
-        # never taken again, in one step.  A thread that gets the turn at that call's
-        # return waits in receive until _handing is cleared here; an exception there
-        # leaves the frame and _handing for disown (the caller's finally)
-        held[0] = False; self.turn.release(); self._last[0] = number; del self._taken[0]; self._handing = 0; return frame.result[0]  # type: ignore[no-any-return]  # noqa: E702,E501
+        return number, frame
 
     def disown(self) -> None:
         """After a receive of this thread, in the caller's ``finally``: a frame it did not

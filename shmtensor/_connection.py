@@ -183,13 +183,15 @@ class Connection(_StdConnection):
         end (``recv_bytes_into`` reads the size from ``tell()``), or None when its header
         says more than ``maxsize`` (``recv_bytes`` then says "bad message length" and stops
         reading, as the stdlib's does); its fds are closed."""
+        frames = self._frames
         try:
-            self._frames.read(self._sock, None, maxsize)
+            frames.read(self._sock, None, maxsize)
         except scm_rights.FrameTooLong:
             return None
-        out = io.BytesIO(self._frames.take(_payload_only))
+        frame = frames.load(_payload_only)
+        out = io.BytesIO(frame.result[0])
         out.seek(0, io.SEEK_END)
-        return out
+        frames.ready = None; return out  # noqa: E702 (the hand-over: see FrameReader.load)
 
     def _poll(self, timeout: float | None) -> bool:
         frames = self._frames
@@ -218,16 +220,17 @@ class Connection(_StdConnection):
         return frames.ready if frames.read(self._sock, deadline) else None
 
     def take(self, load: Callable[..., _T]) -> _T:
-        """``load(data, fds)`` of the frame :meth:`read_frame` read: its result.  A plain
-        call, not a star-call: CPython runs signal handlers as a star-call returns, which
-        would lose the result (see ``scm_rights.Frame.hand_to``)."""
+        """``load(data, fds)`` of the frame :meth:`read_frame` read: its result (a caller
+        that must not lose it hands it over in its own frame: see
+        ``scm_rights.FrameReader.load``)."""
         return self._frames.take(load)
 
     def recv_frame(self) -> tuple[bytes, list[int]]:
         """The next frame as it came: ``(payload, fds)``; the caller owns (and must close)
         the fds."""
         self.read_frame()
-        return self._frames.take(_as_received)
+        frame = self._frames.load(_as_received)
+        self._frames.ready = None; return frame.result[0]  # type: ignore[no-any-return]  # noqa: E702 (see FrameReader.load)
 
     def send(self, obj: object) -> None:
         """Send a picklable object; arrays in it cross through shared memory."""
@@ -245,7 +248,8 @@ class Connection(_StdConnection):
     def recv(self) -> Any:
         """Receive an object sent with :meth:`send`."""
         self.read_frame()
-        return self._frames.take(_reductions.loads, self._private)
+        frame = self._frames.load(_reductions.loads, self._private)
+        self._frames.ready = None; return frame.result[0]  # noqa: E702 (see FrameReader.load)
 
     async def send_async(self, obj: object) -> None:
         """:meth:`send`, awaited: waits for room in the socket in the running event loop
@@ -269,7 +273,8 @@ class Connection(_StdConnection):
         self._check_closed()
         self._check_readable()
         await _aio.read_frame(self)
-        return self._frames.take(_reductions.loads, self._private)
+        frame = self._frames.load(_reductions.loads, self._private)
+        self._frames.ready = None; return frame.result[0]  # noqa: E702 (see FrameReader.load)
 
     def _writer_socket(self) -> socket.socket:
         """The socket, for a sender about to write (``OSError`` once closed)."""

@@ -204,15 +204,20 @@ class _OnChannel:
                 raise EOFError("the queue was closed while this get() waited for a "
                                "message") from None
             self._got(frame)
-            return chan.take(_reductions.loads, held)  # lets go of the turn as it hands over
+            number, frame = chan.load(_reductions.loads)
+            # the hand-over, in this frame (see Channel.load)
+            held[0] = False; chan.turn.release(); chan._last[0] = number; del chan._taken[0]; chan._handing = 0; return frame.result[0]  # noqa: E702,E501
         except BaseException:
-            # not in finally: after a take, no call may come before the return (a signal
-            # handler runs at a call's entry or return, and its exception would lose what
-            # take returned)
+            # not in finally: after the hand-over, no call may come before the return (a
+            # signal handler runs at a call's entry or return, and its exception would
+            # lose what was handed over)
             chan.disown()
             raise
         finally:
-            if held and held[0]: chan.turn.release()  # noqa: E701 (first call of its line)
+            # an expression, not an if: on the return path (held == [False]) an if's
+            # taken POP_JUMP_IF_FALSE checks the eval breaker on 3.10 (a handler's
+            # exception there replaces the return); JUMP_IF_FALSE_OR_POP never does
+            held and held[0] and chan.turn.release()  # type: ignore[func-returns-value]
 
     async def get_async(self, block: bool = True, timeout: float | None = None) -> Any:
         """:meth:`get`, awaited: tries the channel on a timer (1 to 50 ms: a ring has no fd
