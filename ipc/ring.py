@@ -287,7 +287,7 @@ class Ring:
 
     __slots__ = ("fd", "capacity", "record_size", "payload_max", "index", "recovered",
                  "spin", "user", "_hot", "_mem", "_q", "_i", "_anchor", "_base", "_live",
-                 "__weakref__")
+                 "_shut", "__weakref__")
 
     fd: int
     capacity: int
@@ -314,6 +314,7 @@ class Ring:
         self.recovered = 0  # locks this process took over from a dead owner
         self.spin = SPIN
         self._hot = True
+        self._shut = False  # see shut
         try:
             self._q = memoryview(mem).cast("Q")
             self._i = memoryview(mem).cast("I")
@@ -630,11 +631,23 @@ class Ring:
 
     @property
     def closed(self) -> bool:
-        """Whether this process closed the ring."""
-        return self._mem is None
+        """Whether this process closed or shut the ring."""
+        return self._shut
+
+    def shut(self) -> None:
+        """End this process's waits in the ring, now and to come: a call of any thread
+        that waits in ``put``, ``get`` or ``poll`` (for room, a message or a lock) raises
+        ``RingClosed``, at once if it sleeps on the ring, else within :data:`SLICE`.  A
+        call that need not wait still goes through, and the syncs (the channel's own
+        bookkeeping) still wait: the ring stays mapped until :meth:`close`."""
+        self._shut = True
+        base, mem = self._base, self._mem  # mem: mapped while this call wakes
+        if base and mem is not None:  # a sleeper of this process wakes to see it shut
+            _wake(base + _TAIL)
+            _wake(base + _HEAD)
 
     def _refusal(self, n: int) -> Exception:
-        if self._mem is None or not self._base:
+        if self._shut:
             return RingClosed("this ring is closed")
         return ValueError(f"a message of {n} bytes does not fit a ring record (at most "
                           f"{self.payload_max} bytes): send it another way, or make the "
@@ -649,7 +662,7 @@ class Ring:
         words = self._i
         assert words is not None
         while rc == _EBUSY or rc == _ETIMEDOUT:
-            if not self._base:  # closed by another thread meanwhile
+            if self._shut and exc is not TimeoutError:  # (a sync waits on: see shut)
                 raise self._refusal(0)
             if not block:
                 if words[flag]:
@@ -672,7 +685,7 @@ class Ring:
                           "itself")
         elif rc:
             raise OSError(rc, f"could not take a ring's lock: {os.strerror(rc)}")
-        if not self._base:  # closed while this thread waited for the lock
+        if self._shut and exc is not TimeoutError:  # shut while this thread waited
             raise self._refusal(0)
         return deadline
 
@@ -693,7 +706,7 @@ class Ring:
                 if clock() > end:
                     self._hot = False  # waited past the budget: sleep at once next time
                     break
-                if not self._base:  # closed by another thread: the loop below raises
+                if self._shut:  # shut by another thread: the loop below raises
                     break
                 pause()
             else:
@@ -703,7 +716,7 @@ class Ring:
         words[flag] = 1
         try:
             while q[word] == value:
-                if not self._base:  # closed by another thread (its close woke this one)
+                if self._shut:  # shut by another thread (which woke this one)
                     raise self._refusal(0)
                 if deadline is None:
                     left = SLICE
@@ -776,15 +789,14 @@ class Ring:
     def close(self) -> None:
         """Close the ring's fds and let go of its mapping.  A call of another thread that
         waits in the ring (for a message, for room, for a lock) raises ``RingClosed``, at
-        once if it sleeps on the ring, else within :data:`SLICE`; every later call raises it
-        too.  The mapping goes once no call uses it: a call holds it (its local ``mem``),
-        so a close never unmaps the memory under a lock, futex or record in use."""
-        base, self._base = self._base, 0  # the C fast paths refuse a closed ring by it
-        mem, self._mem = self._mem, None
+        once if it sleeps on the ring, else within :data:`SLICE` (see :meth:`shut`); every
+        later call raises it too.  The mapping goes once no call uses it: a call holds it
+        (its local ``mem``), so a close never unmaps the memory under a lock, futex or
+        record in use."""
+        self.shut()
+        self._base = 0  # the C fast paths refuse a closed ring by it
+        self._mem = None
         _rings.discard(self)
-        if base and mem is not None:  # a sleeper of this process wakes to see it closed
-            _wake(base + _TAIL)
-            _wake(base + _HEAD)
         self._anchor = None
         self._q = self._i = None
         self.user = _NO_WORDS

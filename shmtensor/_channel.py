@@ -1058,8 +1058,19 @@ class Channel:
         self._reset()
 
     def close(self) -> None:
+        """Close this process's ends: its threads waiting in the ring raise ``RingClosed``
+        (the ring is shut at once, even where it lingers for records not yet taken)."""
+        self.ring.shut()
         with self._closing:
             self._close()
+
+    def shut_if_alone(self) -> None:
+        """As a queue's last writer in this process goes (its feeder ended after close)
+        with no other process on the ring, nothing can come any more: threads of this
+        process waiting for a message raise ``RingClosed`` once the ring is empty, as
+        a pipe's reader meets its end once every writer closed it."""
+        if not self.ring.peers_alive():
+            self.ring.shut()
 
 
 # What attaching a message's memory raises when it never can be: the message is lost

@@ -200,9 +200,11 @@ class _OnChannel:
             except ValueError:  # RingClosed, or the closed ring's words in a hook
                 if not chan.ring.closed:
                     raise
-                # as the stdlib's reader meets the end of its closed pipe
-                raise EOFError("the queue was closed while this get() waited for a "
-                               "message") from None
+                # as the stdlib's reader meets the end of its pipe, or its closed handle
+                if deadline is None:
+                    raise EOFError("the queue was closed while this get() waited for a "
+                                   "message") from None
+                raise OSError("handle is closed") from None
             self._got(frame)
             number, frame = chan.load(_reductions.loads)
             # the hand-over, in this frame (see Channel.load)
@@ -402,6 +404,10 @@ class _ShmQueue(_OnChannel, _QueueBase):
                 _locked(joinable, self._unfinished_tasks.acquire, False)
             if took and took[-1]:
                 self._sem.release()
+            if (self._closed and isinstance(e, (OSError, ValueError))
+                    and not _raised_by_a_signal_handler(e)):
+                # closed by another thread while this put sent: as if closed before
+                raise ValueError(f"Queue {self!r} is closed") from None
             if isinstance(e, OSError) and data is not None and not _raised_by_a_signal_handler(e):
                 data = None  # see send_error
                 raise send_error(e, "put() failed")
@@ -570,6 +576,7 @@ class _ShmQueue(_OnChannel, _QueueBase):
                         chan.park()  # while this process still has the reading end
                         reader_close()
                         writer_close()
+                        chan.shut_if_alone()
                         return
                     done = True
                     try:
@@ -842,7 +849,12 @@ class SimpleQueue(_OnChannel, _SimpleQueueBase):
 
     def empty(self) -> bool:
         self._side._check_closed()
-        return self._chan.empty()
+        try:
+            return self._chan.empty()
+        except ValueError:  # closed by another thread meanwhile
+            if not self._chan.ring.closed:
+                raise
+            raise OSError("handle is closed") from None
 
     def close(self) -> None:
         """As the stdlib's: both ends closed (and the ring, in this process: first, so

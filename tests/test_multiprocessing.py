@@ -3,6 +3,8 @@
 import contextlib
 import concurrent.futures
 import os
+import sys
+import threading
 import time
 from queue import Empty
 
@@ -776,6 +778,82 @@ def test_a_put_never_overtakes_a_frame_the_feeder_put_back_and_took_again(monkey
     finally:
         q.close()
         q.join_thread()
+
+
+def _wait_until_inside(t: threading.Thread, names: tuple[str, ...]) -> None:
+    """Until thread ``t`` runs a function named in ``names`` (then a moment more, for
+    it to reach its wait)."""
+    deadline = time.monotonic() + JOIN
+    while True:
+        frame = sys._current_frames().get(t.ident)
+        while frame is not None and frame.f_code.co_name not in names:
+            frame = frame.f_back
+        if frame is not None:
+            break
+        assert time.monotonic() < deadline and t.is_alive(), "the thread did not wait"
+        time.sleep(0.01)
+    del frame
+    time.sleep(0.05)
+
+
+def _hold_and_put(q, go):
+    go.wait(JOIN)
+    q.put("from the child")
+
+
+@pytest.mark.parametrize("kind", ["Queue", "JoinableQueue"])
+@pytest.mark.parametrize("lib", ["stdlib", "shmtensor"])
+def test_close_ends_a_waiting_get_once_nothing_can_come_as_the_stdlibs(lib, kind, request):
+    """close() and join_thread() while another thread waits in get(), with no other
+    process on the queue: a blocking get raises EOFError and one with a timeout OSError
+    (the stdlib's reader meets the end of its pipe, or its closed handle)."""
+    import multiprocessing
+    if lib == "shmtensor":
+        request.getfixturevalue("lc")  # (the stdlib's queue leaks its pipe here)
+    ctx = (multiprocessing if lib == "stdlib" else smp).get_context("fork")
+    for timeout, raised in ((None, EOFError), (JOIN, OSError)):
+        q = getattr(ctx, kind)()
+        q.put(1)
+        assert q.get(timeout=JOIN) == 1  # the feeder runs
+        got: list = []
+
+        def waiter() -> None:
+            try:
+                got.append(q.get(timeout=timeout))
+            except BaseException as e:  # its type: its frames would hold the queue
+                got.append(type(e))
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        _wait_until_inside(t, ("_recv_bytes", "wait", "_sleep_while"))
+        q.close()
+        q.join_thread()
+        t.join(JOIN)
+        assert not t.is_alive() and got and issubclass(got[0], raised), got
+
+
+@pytest.mark.parametrize("kind", ["Queue", "JoinableQueue"])
+def test_a_get_waiting_at_close_still_takes_what_another_process_puts(kind, lc):
+    """While a child has the queue, close() does not end this process's waiting get
+    (something may still come, as through the stdlib's pipe, whose writer the child
+    holds): it takes what the child puts after the close."""
+    ctx = smp.get_context("fork")
+    q = getattr(ctx, kind)()
+    q.put(1)
+    assert q.get(timeout=JOIN) == 1
+    go = ctx.Event()
+    p = ctx.Process(target=_hold_and_put, args=(q, go))
+    p.start()
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(q.get(timeout=JOIN)))
+    t.start()
+    _wait_until_inside(t, ("_sleep_while",))
+    q.close()
+    q.join_thread()
+    go.set()
+    t.join(JOIN)
+    p.join(JOIN)
+    assert got == ["from the child"] and p.exitcode == 0
 
 
 @pytest.mark.parametrize("kind", ["Queue", "JoinableQueue"])

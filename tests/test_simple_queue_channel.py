@@ -13,6 +13,7 @@ import pytest
 import shmtensor
 import shmtensor.multiprocessing as smp
 from shmtensor import _channel, _queues
+from shmtensor.ipc import ring as ringmod
 
 from conftest import JOIN, join_all
 
@@ -156,6 +157,50 @@ def test_close_under_a_waiting_get_or_put_raises_as_the_stdlibs(lib, size):
         q.close()
         t.join(JOIN)
         assert not t.is_alive() and got == [EOFError if side == "get" else BrokenPipeError]
+
+
+def _hold(q, go):
+    go.wait(JOIN)
+
+
+def test_close_ends_a_waiting_put_while_the_ring_lingers_for_a_peer(lc):
+    """A ring full of arrays not yet taken, with a child on it: close() leaves the ring
+    mapped for those records (their memory must reach whoever takes them), and still
+    ends a put waiting for room in it (BrokenPipeError)."""
+    ctx = smp.get_context("fork")
+    q = ctx.SimpleQueue()
+    go = ctx.Event()
+    p = ctx.Process(target=_hold, args=(q, go))
+    p.start()
+    try:
+        a = shmtensor.zeros(1000)
+        q.put(a)
+        q.get()
+        ring = q._chan.ring
+        while not ring.full():
+            q.put(a)
+        got: list = []
+
+        def put_one_more() -> None:
+            try:
+                q.put(a)
+            except BaseException as e:  # its type: its frames would hold the queue
+                got.append(type(e))
+
+        t = threading.Thread(target=put_one_more)
+        t.start()
+        deadline = time.monotonic() + JOIN
+        while not ring._i[ringmod._W_SLEEPS_I]:
+            assert time.monotonic() < deadline, "the put did not wait for room"
+            time.sleep(0.01)
+        q.close()
+        assert any(r is ring for r, _ in _channel._lingering)  # the case under test
+        t.join(JOIN)
+        assert not t.is_alive() and got == [BrokenPipeError]
+    finally:
+        go.set()
+        p.join(JOIN)
+    assert p.exitcode == 0
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
