@@ -1069,7 +1069,11 @@ class Channel:
         with no other process on the ring, nothing can come any more: threads of this
         process waiting for a message raise ``RingClosed`` once the ring is empty, as
         a pipe's reader meets its end once every writer closed it."""
-        if not self.ring.peers_alive():
+        try:
+            alone = not self.ring.peers_alive()
+        except OSError:  # closed here already: nothing waits in it
+            return
+        if alone:
             self.ring.shut()
 
 
