@@ -133,10 +133,6 @@ class Producer:
         import shmtensor.ray as sr
         return sr.exports_held()
 
-    def hand_to(self, keeper):
-        """Send the last array kept to ``keeper`` (its ``take``)."""
-        ray.get(keeper.take.remote(self.kept[-1]))
-
     def pid(self):
         return os.getpid()
 
@@ -241,71 +237,6 @@ def test_memory_outlives_the_sender_dropping_it(cluster, strategy):
              "the actor still holds its export after every reference is gone")
     finally:
         ray.kill(p)
-
-
-@ray.remote
-def sent_back(a):
-    """The pid a result of ``a`` names, this worker's exports, and ``a`` (mutated)."""
-    import shmtensor.ray as sr
-    from shmtensor.ray import _numpy
-    a += 1
-    return _numpy.serialize(a)[1].pid, sr.exports_held(), os.getpid(), a
-
-
-@ray.remote
-class Keeper:
-    """Keeps an array it was sent (attached from its sender), and hands it on."""
-
-    def take(self, a):
-        self.a = a
-
-    def result_pid(self):
-        """The pid a result of the array names (serialized as for this call's result)."""
-        from shmtensor.ray import _numpy
-        return _numpy.serialize(self.a)[1].pid
-
-    def put(self):
-        """Exports after a put of the array (kept)."""
-        import shmtensor.ray as sr
-        self.ref = ray.put(self.a)
-        return sr.exports_held()
-
-    def get(self):
-        return self.a
-
-    def pid(self):
-        return os.getpid()
-
-
-def test_a_result_of_an_argument_names_its_senders_export(cluster):
-    """An array a task got by reference and returns names its sender's export and pin
-    again (no export in the worker) while the sender runs, and the worker's own once the
-    sender is gone; a put of it is always the worker's own."""
-    before = sr.exports_held()
-    p = Producer.options(**HERE).remote("file_descriptor")
-    k = Keeper.options(**HERE).remote()
-    try:
-        ppid, kpid = ray.get([p.pid.remote(), k.pid.remote()])
-        a = ray.get(p.fill.remote(50_000, 1.0))  # sent on by this process: its export
-        named, exports, worker, b = ray.get(sent_back.options(**HERE).remote(a))
-        assert (named, exports) == (os.getpid(), 0) and worker != os.getpid()
-        assert np.shares_memory(a, b) and (a == 2.0).all()
-        ray.get(p.hand_to.remote(k))
-        assert ray.get(k.result_pid.remote()) == ppid
-        assert ray.get(k.put.remote()) == 1  # a put: the keeper's own export
-        del a, b
-        ray.kill(p)
-        poll(lambda: not os.path.exists(f"/proc/{ppid}") or
-             open(f"/proc/{ppid}/stat").read().split()[2] == "Z", "the actor to die")
-        assert ray.get(k.result_pid.remote()) == kpid  # its sender gone: its own export
-        c = ray.get(k.get.remote())
-        assert (c == 2.0).all() and c.flags.writeable
-        del c
-    finally:
-        ray.kill(k)
-        ray.kill(p)
-    gc.collect()
-    poll(lambda: sr.exports_held() == before, "this process's exports outlived the test")
 
 
 @pytest.mark.parametrize("callback", [True, False], ids=["callback", "polled"])

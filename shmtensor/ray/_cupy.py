@@ -160,8 +160,7 @@ def attach(h: CudaHandle) -> Any:
     return _ipc._view(cp, mem, view, None)
 
 
-def rebuild(h: CudaHandle, carried: Callable[[], Any] | None = None,
-            pin: object = None) -> Any:
+def rebuild(h: CudaHandle, carried: Callable[[], Any] | None = None) -> Any:
     """The array a handle stands for: the sender's device memory on its host, else a copy
     (of the bytes the payload carried, or from the agent of the sender's node)."""
     if h.host == _host.host_id():

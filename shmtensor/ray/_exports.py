@@ -425,15 +425,14 @@ def from_reduction(red: tuple[Any, ...]) -> Any:
     return obj
 
 
-def deserializer(rebuild: Callable[[Any, Callable[[], Any] | None, Any], object]
+def deserializer(rebuild: Callable[[Any, Callable[[], Any] | None], object]
                  ) -> Callable[[tuple[Any, ...]], object]:
     """Ray's deserializer for a payload ``("p", reduction)`` (by value) or ``("s", handle,
-    pin[, reduction])``: ``rebuild(handle, carried, pin)``, where ``carried()`` gives the
-    bytes the payload carries (its array by value, see :func:`carry`), or is None."""
+    pin[, reduction])``: ``rebuild(handle, carried)``, where ``carried()`` gives the bytes
+    the payload carries (its array by value, see :func:`carry`), or is None."""
     def deserialize(payload: tuple[Any, ...]) -> object:
         if payload[0] == "p":
             return from_reduction(payload[1])
         red = payload[3] if len(payload) > 3 else None
-        return rebuild(payload[1], None if red is None else partial(from_reduction, red),
-                       payload[2])
+        return rebuild(payload[1], None if red is None else partial(from_reduction, red))
     return deserialize

@@ -74,47 +74,6 @@ def _drop_kept(key: str, fd: int) -> None:
         pass
 
 
-# Where arrays this process attached by reference came from: their sender's handle and
-# pin, by segment key, while this process's anchor of the segment lives (the pin held with
-# it).  A task's result of such an array names that export and pin again (see export).
-_origins_lock = threading.RLock()  # (a finalizer takes it: see _forget_origin)
-_origins: dict[str, tuple[Handle, Pin, weakref.ref[np.ndarray]]] = {}
-
-
-def _note_origin(h: Handle, pin: Pin, anchor: np.ndarray) -> None:
-    with _origins_lock:
-        old = _origins.get(h.key)
-        fresh = old is None or old[2]() is not anchor
-        _origins[h.key] = (h, pin, weakref.ref(anchor))
-    if fresh:  # one finalizer per anchor, however many handles it was attached from
-        weakref.finalize(anchor, _forget_origin, h.key).atexit = False
-
-
-def _forget_origin(key: str) -> None:
-    """The anchor attached from an origin died: let go of its pin (a new anchor's entry,
-    made meanwhile, stays)."""
-    with _origins_lock:
-        old = _origins.get(key)
-        if old is not None and old[2]() is None:
-            del _origins[key]
-
-
-def _origin_of(seg: _segments.Segment) -> tuple[Handle, Pin] | None:
-    """The handle and pin ``seg`` was attached from here, while its anchor of then lives
-    and its sender runs."""
-    with _origins_lock:
-        old = _origins.get(seg.key)
-    if old is None or old[2]() is None:
-        return None
-    try:
-        os.kill(old[0].pid, 0)
-    except ProcessLookupError:
-        return None  # its export went with it: this process exports its own
-    except PermissionError:
-        pass
-    return old[0], old[1]
-
-
 def _memfd_of(seg: _segments.Segment) -> int | None:
     if seg.fd is not None:
         return seg.fd
@@ -143,22 +102,10 @@ def export(a: np.ndarray, seg: _segments.Segment) -> tuple[str, Handle, Pin] | N
     process cannot hand ``seg`` on by reference (Ray not connected, no memfd kept).
 
     Serializations of one segment within ``_exports.GRACE`` of each other share one export
-    and one pin: it then lives while any Ray object holding any of them does.
-
-    A task's result of a segment this process attached from another's handle names that
-    export and pin again, while its sender runs (the pin held here with the view keeps
-    the export meanwhile): an array handed back to the process that sent it (a task that
-    mutates its argument in place) makes no export here and lends the caller no pin of
-    this process.  Anything else (a put, an argument) is exported here, so that it stays
-    reachable after its first sender is gone."""
+    and one pin: it then lives while any Ray object holding any of them does."""
     import ray
     if not ray.is_initialized():
         return None
-    origin = _origin_of(seg) if _exports.is_result() else None
-    if origin is not None:
-        return ("s", origin[0]._replace(
-            offset=a.__array_interface__["data"][0] - seg.address, shape=a.shape,
-            strides=a.strides, dtype=a.dtype, writeable=a.flags.writeable), origin[1])
     memfd = _memfd_of(seg) if seg.kind == FD else None
     if seg.kind == FD and memfd is None:
         return None
@@ -187,9 +134,8 @@ def export(a: np.ndarray, seg: _segments.Segment) -> tuple[str, Handle, Pin] | N
     return ("s", handle, pin)
 
 
-def attach(h: Handle, pin: Pin | None = None) -> np.ndarray:
-    """A view of the handle's memory in this process, holding its lease (same host only);
-    ``pin``: the handle's, kept while the view's anchor lives (see export)."""
+def attach(h: Handle) -> np.ndarray:
+    """A view of the handle's memory in this process, holding its lease (same host only)."""
     lease_src = _host.open_peer_fd(h.pid, h.lease_fd, f"{posix_shm.PREFIX}_{h.table_id}_lease")
     mapfd = None
     try:
@@ -215,21 +161,18 @@ def attach(h: Handle, pin: Pin | None = None) -> np.ndarray:
             weakref.finalize(anchor, _drop_kept, h.key, mapfd).atexit = False
         else:
             os.close(mapfd)
-    if pin is not None and h.pid != os.getpid():
-        _note_origin(h, pin, anchor)
     out: np.ndarray = np.ndarray(h.shape, h.dtype, anchor, h.offset, h.strides)
     if not h.writeable:
         out.flags.writeable = False
     return out
 
 
-def rebuild(h: Handle, carried: Callable[[], np.ndarray] | None = None,
-            pin: Pin | None = None) -> np.ndarray:
+def rebuild(h: Handle, carried: Callable[[], np.ndarray] | None = None) -> np.ndarray:
     """The array a handle stands for: a view on the sender's host, else a copy by value
     (of the bytes the payload carried, or from the agent of the sender's node)."""
     if h.host == _host.host_id():
         try:
-            return attach(h, pin)
+            return attach(h)
         except _host.NotReachable:
             pass  # same host by its identity, but not by /proc: by value
         except _host.SenderGone as e:
