@@ -265,7 +265,7 @@ _rings: weakref.WeakSet[Ring] = weakref.WeakSet()
 
 class RingClosed(ValueError):
     """A call on a ring this process closed, or one that was waiting in it (for a message,
-    for room or for a lock) when another thread of this process closed it."""
+    for room or for a lock) when another thread of this process shut or closed it."""
 
 
 def _reopen(fd: int) -> int:
